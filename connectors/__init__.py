@@ -1,0 +1,1 @@
+"""kvbridge's built-in backends, one module each; see :mod:`kvbridge.registry` for their names."""

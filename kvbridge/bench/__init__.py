@@ -1,0 +1,1 @@
+"""Transfer-cost benchmarks and the P/D simulator."""

@@ -1,0 +1,293 @@
+"""The connector contract: a scheduler side and a worker side per backend, and what passes between them.
+
+An inference engine runs a *scheduler* (decides which requests run, owns block allocation) and one
+or more *workers* (own the KV tensors, run the model). A kvbridge backend gives each its own object:
+
+- :class:`SchedulerSide` — answers how many prompt tokens the backend can supply for a request,
+  learns which blocks the engine allocated for them, turns every engine step into a
+  :class:`StepPlan` (blocks to load, blocks to save), and decides at a request's end whether its
+  blocks may be freed now or must be held for a consumer.
+- :class:`WorkerSide` — registers the KV tensors (as a :class:`~kvbridge.layout.KVLayout`), carries
+  out a step's plan (loads asynchronously, saves per layer), and reports which requests finished
+  loading or saving and which blocks failed to load.
+
+The :class:`StepPlan` is the only thing that travels from scheduler to worker: a frozen dataclass of
+plain values (ints, bytes, strings, tuples), safe to pickle or to encode in any format. Reports
+travel back as :class:`WorkerReport`.
+
+Call order for one engine step (this is what the vLLM adapter does, and what
+:class:`kvbridge.testing.MiniEngine` does in tests)::
+
+    scheduler: lookup(req, n_computed)          # once or more per new request, before allocation
+    scheduler: on_allocated(req, block_ids, n)  # after allocation, if lookup returned n > 0
+    scheduler: plan = plan_step(scheduled)       # every step
+    worker:    start_step(plan)                  # loads begin (asynchronously)
+    worker:    wait_layer(i); save_layer(i)      # for every layer, as the forward pass goes
+    worker:    finish_step()                     # saves handed off; the KV may be overwritten after
+    worker:    report = poll()                   # every step, on every rank
+    scheduler: on_report(report)                 # the reports of all ranks, merged
+    scheduler: on_finished(req, block_ids)       # when a request ends (finished or aborted)
+
+Every object raises :class:`~kvbridge.errors.ClosedError` when used after ``close()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal
+
+from kvbridge.errors import ClosedError
+from kvbridge.layout import KVLayout
+
+Role = Literal["producer", "consumer", "both"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What a backend knows about the engine it serves, fixed at start-up.
+
+    ``namespace`` separates KV that must never be mixed (model, dtype, adapter); it seeds the block
+    keys. ``rank``/``world_size`` name this worker's shard under tensor parallelism.
+    """
+
+    engine_id: str
+    block_size: int
+    role: Role = "both"
+    namespace: str = ""
+    rank: int = 0
+    world_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestInfo:
+    """A request as the backend sees it: its prompt, the keys of its full blocks, and transfer params.
+
+    ``transfer_params`` are what the client (or a P/D proxy) attached, e.g. the producer's
+    :attr:`FinishDecision.transfer_params` handed to the consumer.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    block_keys: tuple[bytes, ...]
+    transfer_params: Mapping[str, Any] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """``num_tokens`` beyond those already computed that the backend can supply; loaded asynchronously
+    when ``is_async`` (the request waits until the worker reports it in ``finished_loading``)."""
+
+    num_tokens: int = 0
+    is_async: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRequest:
+    """A request that runs in this step: all its block ids so far, tokens computed before this step,
+    and tokens computed in it."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLoad:
+    """Load ``keys`` (or the backend's ``source``) into the local blocks ``block_ids``, in order."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    keys: tuple[bytes, ...] = ()
+    source: Mapping[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSave:
+    """Save the local blocks ``block_ids`` under ``keys`` (same order) once the step has computed them."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    keys: tuple[bytes, ...] = ()
+    target: Mapping[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything the worker side must do for one engine step; plain values only.
+
+    ``hold_after_load`` names requests that ended while a load into their blocks was still running: the
+    worker reports each in ``finished_saving`` once that load is over, so the engine frees the blocks
+    only when nothing writes into them any more.
+    """
+
+    loads: tuple[BlockLoad, ...] = ()
+    saves: tuple[BlockSave, ...] = ()
+    hold_after_load: tuple[str, ...] = ()
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves or self.hold_after_load or self.extra)
+
+
+EMPTY_PLAN = StepPlan()
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishDecision:
+    """At a request's end: hold its blocks (``delay_free``) until a ``finished_saving`` report, and the
+    params a consumer needs to fetch its KV (for peers; ``None`` for stores)."""
+
+    delay_free: bool = False
+    transfer_params: Mapping[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerReport:
+    """What a worker learned since its previous report. Every rank reports every request id.
+
+    A request whose load failed (wholly or partly) is still in ``finished_loading``; the local ids of
+    the blocks that did not arrive are in ``failed_blocks`` — the engine recomputes those.
+    """
+
+    finished_loading: frozenset[str] = frozenset()
+    finished_saving: frozenset[str] = frozenset()
+    failed_blocks: frozenset[int] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_loading or self.finished_saving or self.failed_blocks)
+
+    @staticmethod
+    def merge(reports: Sequence[WorkerReport]) -> WorkerReport:
+        """Union of several reports (e.g. of several steps of one rank)."""
+        return WorkerReport(
+            frozenset().union(*(r.finished_loading for r in reports)),
+            frozenset().union(*(r.finished_saving for r in reports)),
+            frozenset().union(*(r.failed_blocks for r in reports)),
+        )
+
+
+class _Closable:
+    _closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} is closed")
+
+    def close(self) -> None:
+        """Release every resource; idempotent. Any later call raises :class:`ClosedError`."""
+        self._closed = True
+
+
+class SchedulerSide(_Closable, abc.ABC):
+    """The backend's half in the engine's scheduler process. Must be cheap: it runs every step."""
+
+    @abc.abstractmethod
+    def lookup(self, request: RequestInfo, num_computed_tokens: int) -> Lookup:
+        """How many prompt tokens past ``num_computed_tokens`` this backend can supply.
+
+        May be called more than once for the same request (the engine retries when it cannot
+        schedule it) and must give the same answer without side effects. Never more than
+        ``request.num_prompt_tokens - 1 - num_computed_tokens``: the engine must compute at least one
+        token itself. A miss is ``Lookup(0)``, never an error.
+        """
+
+    @abc.abstractmethod
+    def on_allocated(self, request: RequestInfo, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """The engine allocated ``block_ids`` (all of the request's blocks, in order, covering computed
+        and external tokens) and accepted ``num_external_tokens`` from :meth:`lookup`."""
+
+    @abc.abstractmethod
+    def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
+        """The work for this step: loads for newly allocated requests, saves for blocks the step computes."""
+
+    def on_report(self, report: WorkerReport) -> None:
+        """Merged worker reports of a step (all ranks)."""
+        self._check_open()
+
+    @abc.abstractmethod
+    def on_finished(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
+        """The request ended (finished or aborted): free its blocks now, or hold them for a consumer
+        or an in-flight transfer (``delay_free``; the worker reports it in ``finished_saving`` later)."""
+
+
+class WorkerSide(_Closable, abc.ABC):
+    """The backend's half in each worker process, beside the KV tensors."""
+
+    layout: KVLayout | None = None
+
+    def register(self, layout: KVLayout) -> None:
+        """The engine's KV cache, once, before the first step."""
+        self._check_open()
+        self.layout = layout
+
+    @abc.abstractmethod
+    def start_step(self, plan: StepPlan) -> None:
+        """Begin the step: start the plan's loads (asynchronously) and remember its saves."""
+
+    def wait_layer(self, layer: int) -> None:  # noqa: B027 - optional hook
+        """Return once layer ``layer`` of this step's synchronous loads is in place (default: none are)."""
+
+    def save_layer(self, layer: int) -> None:  # noqa: B027 - optional hook
+        """Layer ``layer`` has been computed for this step; a backend may start saving it now."""
+
+    @abc.abstractmethod
+    def finish_step(self) -> None:
+        """The forward pass is over. On return, this step's saves no longer need the KV blocks."""
+
+    @abc.abstractmethod
+    def poll(self) -> WorkerReport:
+        """What finished or failed since the previous call (each event is reported once)."""
+
+    def _require_layout(self) -> KVLayout:
+        self._check_open()
+        if self.layout is None:
+            raise ClosedError(f"{type(self).__name__}: register() the KV cache first")
+        return self.layout
+
+
+class Backend(abc.ABC):
+    """A configured backend: a factory of scheduler and worker sides.
+
+    ``name`` is its registry name; ``options_type`` the frozen dataclass of its options;
+    ``kind`` is ``"store"`` (keyed by block hash) or ``"peer"`` (reads another engine's KV directly).
+    """
+
+    name: ClassVar[str]
+    kind: ClassVar[Literal["store", "peer"]]
+    options_type: ClassVar[type[Any]]
+
+    def __init__(self, options: Any):
+        self.options = options
+
+    @abc.abstractmethod
+    def scheduler(self, engine: EngineInfo) -> SchedulerSide:
+        """A new scheduler side for ``engine``."""
+
+    @abc.abstractmethod
+    def worker(self, engine: EngineInfo) -> WorkerSide:
+        """A new worker side for ``engine`` (one per rank)."""
+
+
+__all__ = [
+    "EMPTY_PLAN",
+    "Backend",
+    "BlockLoad",
+    "BlockSave",
+    "EngineInfo",
+    "FinishDecision",
+    "Lookup",
+    "RequestInfo",
+    "Role",
+    "ScheduledRequest",
+    "SchedulerSide",
+    "StepPlan",
+    "WorkerReport",
+    "WorkerSide",
+]

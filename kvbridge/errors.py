@@ -1,0 +1,116 @@
+"""kvbridge's exceptions: one root, a few families, each also a builtin where one fits.
+
+Every error that leaves a backend is one of these; UCX, gRPC and OS errors are translated where they
+cross the backend's boundary (see :func:`map_exceptions`), so callers never need to know which
+transport sits underneath.
+
+- :class:`ConfigError` (``ValueError``) — bad options, unknown backend names (:class:`UnknownBackend`).
+- :class:`MissingDependency` (``ImportError``) — an optional extra is not installed; says what to install.
+- :class:`LayoutError` (``ValueError``) — KV tensors kvbridge cannot address.
+- :class:`LayoutMismatch` (``ValueError``) — two sides disagree on the KV layout fingerprint.
+- :class:`Corrupted` — stored bytes failed their header or checksum; never loaded.
+- :class:`TransferError` — a transfer did not complete: :class:`TransferTimeout` (``TimeoutError``),
+  :class:`PeerUnreachable` (``ConnectionError``).
+- :class:`ProtocolError` — the metadata protocol was violated or refused (version mismatch,
+  malformed message); :class:`Unauthorized` (``PermissionError``) for a wrong or missing token.
+- :class:`StoreFull` (``OSError``) — a store had no room and could not evict.
+- :class:`ClosedError` (``RuntimeError``) — use of an object after ``close()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+
+class KVBridgeError(Exception):
+    """Root of every exception kvbridge raises on purpose."""
+
+
+class ConfigError(KVBridgeError, ValueError):
+    """Options that cannot work: a misspelt or missing option, a value out of range."""
+
+
+class UnknownBackend(ConfigError, LookupError):
+    """A backend name that is neither built in nor registered through an entry point."""
+
+
+class MissingDependency(KVBridgeError, ImportError):
+    """An optional dependency is absent; the message says which ``pip install`` line brings it."""
+
+
+class LayoutError(KVBridgeError, ValueError):
+    """KV tensors whose layout kvbridge cannot address (shape, strides, dtype or device)."""
+
+
+class LayoutMismatch(KVBridgeError, ValueError):
+    """Two sides (a stored object, a peer) carry different layout fingerprints."""
+
+
+class Corrupted(KVBridgeError):
+    """Stored bytes failed validation (bad magic, version, checksum, size); they were not loaded."""
+
+
+class TransferError(KVBridgeError):
+    """A transfer did not complete; the affected blocks were not (fully) written."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A transfer or a call missed its deadline."""
+
+
+class PeerUnreachable(TransferError, ConnectionError):
+    """The peer is dead, refused the connection, or went away mid-transfer."""
+
+
+class ProtocolError(KVBridgeError):
+    """The metadata protocol was violated or a peer refused us (version, malformed message)."""
+
+
+class Unauthorized(ProtocolError, PermissionError):
+    """A call carried a missing or wrong shared token, or failed TLS verification."""
+
+
+class StoreFull(KVBridgeError, OSError):
+    """A store had no room for an object and could not evict enough to make some."""
+
+
+class ClosedError(KVBridgeError, RuntimeError):
+    """The object was used after ``close()``."""
+
+
+@contextlib.contextmanager
+def map_exceptions(mapping: Mapping[type[BaseException], type[KVBridgeError]]) -> Iterator[None]:
+    """Translate third-party exceptions raised inside the block into kvbridge's.
+
+    The first entry of ``mapping`` whose key matches wins; the original exception is chained as
+    ``__cause__``. kvbridge's own exceptions pass through untouched.
+    """
+    try:
+        yield
+    except KVBridgeError:
+        raise
+    except BaseException as exc:
+        for source, target in mapping.items():
+            if isinstance(exc, source):
+                raise target(str(exc) or type(exc).__name__) from exc
+        raise
+
+
+__all__ = [
+    "ClosedError",
+    "ConfigError",
+    "Corrupted",
+    "KVBridgeError",
+    "LayoutError",
+    "LayoutMismatch",
+    "MissingDependency",
+    "PeerUnreachable",
+    "ProtocolError",
+    "StoreFull",
+    "TransferError",
+    "TransferTimeout",
+    "Unauthorized",
+    "UnknownBackend",
+    "map_exceptions",
+]

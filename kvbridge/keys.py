@@ -1,0 +1,76 @@
+"""Block keys: a stable, prefix-chained name for every full block of prompt tokens.
+
+A store finds a block by the tokens that produced it *and every token before it* (the KV of a token
+depends on its whole prefix). The key of block ``i`` is::
+
+    key[-1] = sha256(b"kvbridge-keys-v1" + namespace)
+    key[i]  = sha256(key[i-1] + tokens[i*B:(i+1)*B] as little-endian int64)[:KEY_BYTES]
+
+where ``B`` is the block size and ``namespace`` separates what must not share KV (model, adapter,
+cache salt). Only full blocks have keys. The hash depends on nothing but its inputs: it is the same
+in every process, on every machine, whatever ``PYTHONHASHSEED`` says (Python's ``hash()`` is salted
+per process and is never used). Engines that compute their own stable hashes can pass them through
+:func:`engine_keys` instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+KEY_BYTES = 16
+_DOMAIN = b"kvbridge-keys-v1"
+
+
+def namespace_key(namespace: str | bytes = b"") -> bytes:
+    """The chain's root for a namespace (the ``key[-1]`` above)."""
+    ns = namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+    return hashlib.sha256(_DOMAIN + ns).digest()[:KEY_BYTES]
+
+
+def block_keys(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    *,
+    namespace: str | bytes = b"",
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Keys of every full block of ``token_ids``; a trailing partial block has none.
+
+    ``parent`` continues a chain (the key of the block just before ``token_ids[0]``).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    tokens = np.asarray(token_ids, dtype="<i8").reshape(-1)
+    raw = tokens[: (tokens.size // block_size) * block_size].tobytes()
+    step = block_size * 8
+    prev = namespace_key(namespace) if parent is None else parent
+    keys: list[bytes] = []
+    for off in range(0, len(raw), step):
+        prev = hashlib.sha256(prev + raw[off : off + step]).digest()[:KEY_BYTES]
+        keys.append(prev)
+    return keys
+
+
+def engine_keys(hashes: Iterable[bytes | int | str]) -> list[bytes]:
+    """Turn an engine's own per-block hashes into kvbridge keys (bytes), unchanged in meaning.
+
+    Use this only where the engine's hashes are stable across processes (for vLLM: only with
+    ``PYTHONHASHSEED`` set); otherwise use :func:`block_keys` on the prompt tokens.
+    """
+    out: list[bytes] = []
+    for h in hashes:
+        if isinstance(h, bytes):
+            out.append(h)
+        elif isinstance(h, int):
+            out.append(h.to_bytes(32, "little", signed=True))
+        elif isinstance(h, str):
+            out.append(h.encode())
+        else:
+            raise TypeError(f"unsupported block hash type {type(h).__name__}")
+    return out
+
+
+__all__ = ["KEY_BYTES", "block_keys", "engine_keys", "namespace_key"]

@@ -1,0 +1,286 @@
+"""KV layout: how an engine's paged KV cache is addressed, and moving blocks in and out of it.
+
+An engine registers one tensor per attention layer. kvbridge reads what it needs from the tensors
+themselves (shape for the logical roles, strides, dtype and device for addressing) and builds a
+:class:`KVLayout`. Two shapes are understood:
+
+- ``blocks_first`` — ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (vLLM >= 0.26: K and V
+  side by side on the last axis; every layer a view of one shared allocation; possibly
+  non-contiguous on GPU);
+- ``kv_first`` — ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (older vLLM).
+
+A *block* of a layer is treated as opaque bytes: ``block_bytes`` of them, in the order torch's
+``index_select`` along the block axis yields. Moving blocks is always one vectorized torch op per
+layer — ``index_select`` into, or ``index_copy_`` out of, a contiguous staging buffer shaped
+``[num_layers, num_blocks_moved, block_bytes]`` (uint8) — and never a Python loop over blocks. A
+single run of consecutive ids is copied as one slice.
+
+A :class:`LayoutFingerprint` names everything that must agree for bytes to be meaningful on the
+other side; every stored object and every handshake carries it, and :meth:`LayoutFingerprint.check`
+raises :class:`~kvbridge.errors.LayoutMismatch` on any difference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbridge.errors import LayoutError, LayoutMismatch
+
+BLOCKS_FIRST = "blocks_first"
+KV_FIRST = "kv_first"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutFingerprint:
+    """What two sides must share for a block's bytes to mean the same thing on both."""
+
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    block_bytes: int
+    kv_format: str
+
+    def digest(self) -> str:
+        """A short, stable hex digest (sha256 of the canonical JSON form), for paths and keys."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LayoutFingerprint:
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        if set(data) != set(fields):
+            raise LayoutMismatch(f"fingerprint fields {sorted(data)} != expected {sorted(fields)}")
+        try:
+            values: dict[str, Any] = {k: (str(v) if fields[k] == "str" else int(v)) for k, v in data.items()}
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise LayoutMismatch(f"malformed layout fingerprint: {exc}") from exc
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> LayoutFingerprint:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise LayoutMismatch(f"malformed layout fingerprint: {exc}") from exc
+        if not isinstance(data, dict):
+            raise LayoutMismatch("malformed layout fingerprint: not an object")
+        return cls.from_dict(data)
+
+    def check(self, other: LayoutFingerprint, *, what: str = "peer") -> None:
+        """Raise :class:`LayoutMismatch` naming every field where ``other`` differs."""
+        if other == self:
+            return
+        diffs = [
+            f"{f.name}: ours={getattr(self, f.name)!r} {what}={getattr(other, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+        raise LayoutMismatch(f"KV layout of {what} differs: " + "; ".join(diffs))
+
+
+def coalesce(block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[tuple[int, int]]:
+    """Runs of consecutive ids as ``(start, count)`` pairs, in order: ``[3,4,5,9]`` -> ``[(3,3),(9,1)]``."""
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    if ids.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = ids[np.concatenate(([0], breaks))]
+    counts = np.diff(np.concatenate(([0], breaks, [ids.size])))
+    return list(zip(starts.tolist(), counts.tolist()))
+
+
+class KVLayout:
+    """The registered KV cache of one engine worker, addressable block by block.
+
+    ``layers[i]`` is a view of layer ``i`` with the block axis moved first, so that ``layers[i][b]`` is
+    block ``b`` whatever the underlying format and strides. Build one with :meth:`from_tensors`.
+    """
+
+    def __init__(self, names: Sequence[str], block_views: Sequence[torch.Tensor], fingerprint: LayoutFingerprint):
+        self.layer_names = tuple(names)
+        self.layers = tuple(block_views)
+        self.fingerprint = fingerprint
+        first = self.layers[0]
+        self.num_blocks = int(first.shape[0])
+        self.block_shape = tuple(first.shape[1:])
+        self.dtype = first.dtype
+        self.device = first.device
+        self.block_bytes = fingerprint.block_bytes
+        self.num_layers = len(self.layers)
+        self._index = {name: i for i, name in enumerate(self.layer_names)}
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+        *,
+        block_size: int | None = None,
+    ) -> KVLayout:
+        """Build a layout from per-layer KV tensors (in layer order), refusing what cannot be addressed.
+
+        ``block_size``, when given, is checked against the tensors (a mismatch means the shape was
+        misread and is refused rather than guessed).
+        """
+        if isinstance(tensors, Mapping):
+            names, views = list(tensors.keys()), list(tensors.values())
+        else:
+            views = list(tensors)
+            names = [str(i) for i in range(len(views))]
+        if not views:
+            raise LayoutError("no KV tensors registered")
+        first = views[0]
+        for name, t in zip(names, views):
+            if not isinstance(t, torch.Tensor):
+                raise LayoutError(f"layer {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            if (t.shape, t.dtype, t.device, t.stride()) != (first.shape, first.dtype, first.device, first.stride()):
+                raise LayoutError(
+                    f"layer {name!r} differs from layer {names[0]!r}: "
+                    f"{tuple(t.shape)}/{t.dtype}/{t.device}/{t.stride()} vs "
+                    f"{tuple(first.shape)}/{first.dtype}/{first.device}/{first.stride()}"
+                )
+        if first.is_floating_point() is False and first.dtype not in (torch.uint8, torch.int8):
+            raise LayoutError(f"unsupported KV dtype {first.dtype}")
+        if first.numel() == 0:
+            raise LayoutError(f"empty KV tensor of shape {tuple(first.shape)}")
+        shape = tuple(first.shape)
+        if len(shape) == 5 and shape[0] == 2:
+            fmt, axis = KV_FIRST, 1
+            _, _, n_tok, heads, head_size = shape
+        elif len(shape) == 4:
+            fmt, axis = BLOCKS_FIRST, 0
+            _, heads, n_tok, two_d = shape
+            if two_d % 2:
+                raise LayoutError(f"last axis {two_d} of {shape} is not 2*head_size (K and V side by side)")
+            head_size = two_d // 2
+        else:
+            raise LayoutError(
+                f"cannot address KV tensors of shape {shape}: expected [num_blocks, heads, block_size, 2*head] "
+                "or [2, num_blocks, block_size, heads, head]"
+            )
+        if block_size is not None and n_tok != block_size:
+            raise LayoutError(f"tensor shape {shape} ({fmt}) has block_size {n_tok}, engine says {block_size}")
+        block_views = [t.movedim(axis, 0) for t in views]
+        block_bytes = int(np.prod(block_views[0].shape[1:])) * first.element_size()
+        seen: dict[int, str] = {}
+        for name, t in zip(names, views):
+            if t.data_ptr() in seen:
+                raise LayoutError(f"layers {seen[t.data_ptr()]!r} and {name!r} share memory")
+            seen[t.data_ptr()] = name
+        fp = LayoutFingerprint(
+            dtype=str(first.dtype).removeprefix("torch."),
+            num_layers=len(views),
+            num_kv_heads=int(heads),
+            head_size=int(head_size),
+            block_size=int(n_tok),
+            block_bytes=block_bytes,
+            kv_format=fmt,
+        )
+        return cls(names, block_views, fp)
+
+    # ---- addressing ----------------------------------------------------------------------------
+    def layer_index(self, name: str) -> int:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise LayoutError(f"unknown layer {name!r}") from None
+
+    def check_ids(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Block ids as an index tensor on the KV device; out-of-range ids raise :class:`LayoutError`."""
+        idx = torch.as_tensor(np.asarray(block_ids, dtype=np.int64).reshape(-1), device=self.device)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
+            raise LayoutError(f"block ids outside [0, {self.num_blocks}): min={int(idx.min())} max={int(idx.max())}")
+        return idx
+
+    def staging(self, num_blocks: int, *, layers: int | None = None, pin: bool = False) -> torch.Tensor:
+        """A contiguous uint8 buffer ``[layers, num_blocks, block_bytes]`` on the KV device (or pinned host)."""
+        shape = (self.num_layers if layers is None else layers, num_blocks, self.block_bytes)
+        if pin and torch.cuda.is_available():
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(shape, dtype=torch.uint8, device=self.device)
+
+    def _typed(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        # view a contiguous uint8 [n, block_bytes] slab as [n, *block_shape] of the KV dtype
+        if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.numel() != n * self.block_bytes:
+            raise LayoutError(f"staging slab must be contiguous uint8 of {n}x{self.block_bytes} bytes")
+        return buf.view(self.dtype).view(n, *self.block_shape)
+
+    def gather_layer(self, layer: int, block_ids: torch.Tensor, out: torch.Tensor, runs: list[tuple[int, int]] | None = None) -> None:
+        """Copy blocks ``block_ids`` of one layer into ``out`` (uint8 ``[n, block_bytes]``), one op."""
+        n = int(block_ids.numel())
+        dst = self._typed(out, n)
+        src = self.layers[layer]
+        if runs is not None and len(runs) == 1:
+            dst.copy_(src.narrow(0, runs[0][0], n))
+        else:
+            torch.index_select(src, 0, block_ids, out=dst)
+
+    def scatter_layer(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int]] | None = None) -> None:
+        """Copy ``src`` (uint8 ``[n, block_bytes]``) into blocks ``block_ids`` of one layer, one op."""
+        n = int(block_ids.numel())
+        data = self._typed(src, n)
+        dst = self.layers[layer]
+        if runs is not None and len(runs) == 1:
+            dst.narrow(0, runs[0][0], n).copy_(data)
+        else:
+            dst.index_copy_(0, block_ids, data)
+
+    def gather(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """All layers of ``block_ids`` into one staging buffer ``[num_layers, n, block_bytes]``."""
+        idx = self.check_ids(block_ids)
+        n = int(idx.numel())
+        if out is None:
+            out = self.staging(n)
+        self._check_staging(out, n)
+        runs = coalesce(idx.cpu()) if n else []
+        for layer in range(self.num_layers):
+            self.gather_layer(layer, idx, out[layer], runs)
+        return out
+
+    def scatter(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor, src: torch.Tensor) -> None:
+        """Write a staging buffer ``[num_layers, n, block_bytes]`` into blocks ``block_ids`` of every layer."""
+        idx = self.check_ids(block_ids)
+        n = int(idx.numel())
+        self._check_staging(src, n)
+        runs = coalesce(idx.cpu()) if n else []
+        for layer in range(self.num_layers):
+            self.scatter_layer(layer, idx, src[layer], runs)
+
+    def _check_staging(self, buf: torch.Tensor, n: int) -> None:
+        want = (self.num_layers, n, self.block_bytes)
+        if tuple(buf.shape) != want or buf.dtype != torch.uint8:
+            raise LayoutError(f"staging buffer must be uint8 {want}, got {buf.dtype} {tuple(buf.shape)}")
+
+    def block_region(self, layer: int, start: int, count: int) -> tuple[int, int]:
+        """``(address, nbytes)`` of ``count`` consecutive blocks of a layer, for zero-copy transports.
+
+        Only defined where those blocks are one contiguous stretch of memory; otherwise
+        :class:`LayoutError` (the caller then gathers through a staging buffer instead).
+        """
+        view = self.layers[layer]
+        if not view[0].is_contiguous() or view.stride(0) != view[0].numel():
+            raise LayoutError("blocks of this layout are not contiguous in memory; gather them instead")
+        if start < 0 or count < 0 or start + count > self.num_blocks:
+            raise LayoutError(f"blocks [{start}, {start + count}) outside [0, {self.num_blocks})")
+        return view.data_ptr() + start * self.block_bytes, count * self.block_bytes
+
+    def __repr__(self) -> str:
+        fp = self.fingerprint
+        return (
+            f"KVLayout({fp.num_layers} layers x {self.num_blocks} blocks x {fp.block_bytes} B, "
+            f"{fp.dtype}, {fp.kv_format}, {self.device})"
+        )
+
+
+__all__ = ["BLOCKS_FIRST", "KV_FIRST", "KVLayout", "LayoutFingerprint", "coalesce"]

@@ -1,0 +1,1 @@
+"""The gRPC metadata plane: handshake, release, directory, health."""

@@ -1,0 +1,230 @@
+"""A miniature engine: a real paged KV cache and the contract's call sequence, without a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbridge.contract import Backend, EngineInfo, FinishDecision, RequestInfo, Role, ScheduledRequest, WorkerReport
+from kvbridge.errors import TransferTimeout
+from kvbridge.keys import block_keys
+from kvbridge.layout import BLOCKS_FIRST, KVLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a backend gives the conformance suite: a producer and a consumer backend.
+
+    ``consumer=None`` means one engine plays both roles (a tier private to one engine, like ``cpu``).
+    ``cleanup`` runs after the test.
+    """
+
+    producer: Backend
+    consumer: Backend | None = None
+    cleanup: Callable[[], None] | None = None
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    request_id: str
+    block_ids: list[int]
+    keys: list[bytes]
+    loaded_tokens: int  # accepted from the backend (lookup)
+    loaded_blocks: list[int]  # blocks that arrived
+    failed_blocks: list[int]  # blocks whose load failed (recomputed)
+    finish: FinishDecision
+    snapshot: torch.Tensor  # the request's blocks after prefill, [num_layers, n, block_bytes]
+
+
+def fill_pattern(key: bytes, layer: int, nbytes: int) -> torch.Tensor:
+    """The bytes the mini engine "computes" for a block: a function of its key and layer only."""
+    seed = int.from_bytes(hashlib.sha256(key + layer.to_bytes(4, "little")).digest()[:8], "little")
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8))
+
+
+class MiniEngine:
+    """One engine (scheduler + one worker) over a real KV cache of ``num_blocks`` blocks.
+
+    Blocks are handed out in a shuffled order, so every request's block ids are scattered.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        engine_id: str = "engine",
+        role: Role = "both",
+        num_layers: int = 4,
+        num_blocks: int = 64,
+        num_kv_heads: int = 2,
+        head_size: int = 16,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.bfloat16,
+        kv_format: str = BLOCKS_FIRST,
+        namespace: str = "mini",
+        seed: int = 0,
+    ):
+        self.block_size = block_size
+        self.info = EngineInfo(engine_id=engine_id, block_size=block_size, role=role, namespace=namespace)
+        if kv_format == BLOCKS_FIRST:  # one allocation, per-layer [B, H, N, 2D] views (vLLM >= 0.26)
+            base = torch.zeros(num_layers, num_blocks, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
+        else:  # per-layer [2, B, N, H, D] (older vLLM)
+            base = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+        self.kv = {f"model.layers.{i}.self_attn": base[i] for i in range(num_layers)}
+        self.layout = KVLayout.from_tensors(self.kv, block_size=block_size)
+        self.scheduler = backend.scheduler(self.info)
+        self.worker = backend.worker(self.info)
+        self.worker.register(self.layout)
+        self._free = list(np.random.default_rng(seed).permutation(num_blocks).tolist())
+        self._held: dict[str, list[int]] = {}  # delay_free requests -> their blocks
+        self.freed_late: set[str] = set()
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def request(self, request_id: str, tokens: Sequence[int], params: Mapping[str, Any] | None = None) -> RequestInfo:
+        keys = block_keys(tokens, self.block_size, namespace=self.info.namespace)
+        return RequestInfo(request_id, tuple(int(t) for t in tokens), tuple(keys), params)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"mini engine out of blocks ({n} > {len(self._free)})")
+        ids, self._free = self._free[:n], self._free[n:]
+        return ids
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        self._free.extend(block_ids)
+
+    def read(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The bytes of ``block_ids`` in every layer, as ``[num_layers, n, block_bytes]``."""
+        return self.layout.gather(block_ids).clone()
+
+    def expected(self, keys: Sequence[bytes]) -> torch.Tensor:
+        """What the engine computes for blocks ``keys``: ``[num_layers, n, block_bytes]``."""
+        out = torch.empty(self.layout.num_layers, len(keys), self.layout.block_bytes, dtype=torch.uint8)
+        for i, key in enumerate(keys):
+            for layer in range(self.layout.num_layers):
+                out[layer, i] = fill_pattern(key, layer, self.layout.block_bytes)
+        return out
+
+    def compute(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> None:
+        """Write the "computed" KV of ``keys`` into ``block_ids`` (a partial last block gets zeros)."""
+        full = min(len(block_ids), len(keys))
+        if full:
+            self.layout.scatter(block_ids[:full], self.expected(keys[:full]))
+        if len(block_ids) > full:
+            self.layout.scatter(block_ids[full:], torch.zeros(self.layout.num_layers, len(block_ids) - full, self.layout.block_bytes, dtype=torch.uint8))
+
+    def pump(self) -> WorkerReport:
+        """One idle engine step: poll the worker, feed the scheduler, free held blocks."""
+        plan = self.scheduler.plan_step([])
+        self.worker.start_step(plan)
+        self.worker.finish_step()
+        report = self.worker.poll()
+        self._absorb(report)
+        return report
+
+    def _absorb(self, report: WorkerReport) -> None:
+        self.scheduler.on_report(report)
+        for rid in report.finished_saving:
+            blocks = self._held.pop(rid, None)
+            if blocks is not None:
+                self.free(blocks)
+                self.freed_late.add(rid)
+
+    def wait_for(self, predicate: Callable[[WorkerReport], bool], timeout: float) -> list[WorkerReport]:
+        reports = []
+        deadline = time.monotonic() + timeout
+        while True:
+            report = self.pump()
+            reports.append(report)
+            if predicate(report):
+                return reports
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"mini engine: no report within {timeout}s")
+            time.sleep(0.001)
+
+    # ---- the request life cycle ------------------------------------------------------------------
+    def prefill(self, request_id: str, tokens: Sequence[int], params: Mapping[str, Any] | None = None, *, timeout: float = 30.0) -> PrefillResult:
+        return self.prefill_many([(request_id, tokens, params)], timeout=timeout)[0]
+
+    def prefill_many(
+        self, requests: Sequence[tuple[str, Sequence[int], Mapping[str, Any] | None]], *, timeout: float = 30.0
+    ) -> list[PrefillResult]:
+        """Prefill several requests in the same steps (their loads share one plan), then finish them."""
+        bs = self.block_size
+        reqs = [self.request(rid, toks, params) for rid, toks, params in requests]
+        accepted, blocks = {}, {}
+        for req in reqs:
+            n_ext = self.scheduler.lookup(req, 0).num_tokens
+            blocks[req.request_id] = self.allocate(-(-req.num_prompt_tokens // bs))
+            accepted[req.request_id] = n_ext
+            self.scheduler.on_allocated(req, blocks[req.request_id], n_ext)
+        waiting = {rid for rid, n in accepted.items() if n > 0}
+        failed: set[int] = set()
+        if waiting:
+            plan = self.scheduler.plan_step([])
+            self.worker.start_step(plan)
+            self.worker.finish_step()
+            deadline = time.monotonic() + timeout
+            while waiting:
+                report = self.worker.poll()
+                self._absorb(report)
+                waiting -= report.finished_loading
+                failed |= report.failed_blocks
+                if waiting and time.monotonic() > deadline:
+                    raise TransferTimeout(f"loads of {sorted(waiting)} not reported within {timeout}s")
+                if waiting:
+                    time.sleep(0.0005)
+        scheduled, loaded = [], {}
+        for req in reqs:
+            ids = blocks[req.request_id]
+            n_loaded_blocks = -(-accepted[req.request_id] // bs)
+            bad = [i for i, b in enumerate(ids[:n_loaded_blocks]) if b in failed]
+            good = bad[0] if bad else n_loaded_blocks  # recompute from the first failed block on
+            loaded[req.request_id] = ids[:good]
+            computed = good * bs
+            self.compute(ids[good:], req.block_keys[good:])
+            scheduled.append(ScheduledRequest(req.request_id, tuple(ids), computed, req.num_prompt_tokens - computed))
+        plan = self.scheduler.plan_step(scheduled)
+        self.worker.start_step(plan)
+        for layer in range(self.layout.num_layers):
+            self.worker.wait_layer(layer)
+            self.worker.save_layer(layer)
+        self.worker.finish_step()
+        self._absorb(self.worker.poll())
+        results = []
+        for req in reqs:
+            ids = blocks[req.request_id]
+            snapshot = self.read(ids)
+            decision = self.scheduler.on_finished(req, ids)
+            if decision.delay_free:
+                self._held[req.request_id] = ids
+            else:
+                self.free(ids)
+            results.append(
+                PrefillResult(
+                    req.request_id,
+                    ids,
+                    list(req.block_keys),
+                    accepted[req.request_id],
+                    loaded[req.request_id],
+                    sorted(b for b in ids if b in failed),
+                    decision,
+                    snapshot,
+                )
+            )
+        return results
+
+    @property
+    def held(self) -> dict[str, list[int]]:
+        """Requests whose blocks the backend asked to keep (``delay_free``), not yet released."""
+        return dict(self._held)
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.worker.close()

@@ -1,0 +1,1 @@
+"""kvbridge.vllm: the vLLM adapter (connector classes and plugin); vLLM is imported lazily."""

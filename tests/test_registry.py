@@ -1,0 +1,79 @@
+import dataclasses
+import subprocess
+import sys
+from typing import Literal
+
+import pytest
+
+import kvbridge
+from kvbridge import registry
+from kvbridge.cli import main
+from kvbridge.errors import ConfigError, MissingDependency, UnknownBackend
+from kvbridge.options import parse_options, require
+
+
+def test_unknown_backend_lists_known_names():
+    with pytest.raises(UnknownBackend, match="known:.*memory"):
+        registry.get("nope")
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ConfigError, match="'nmae'"):
+        registry.create("memory", {"nmae": "x"})
+
+
+def test_missing_extra_names_install_line(monkeypatch):
+    monkeypatch.setitem(
+        registry._BUILTIN, "ghost", registry.BackendSpec("ghost", "kvbridge_no_such_module", "x", extra="ghost")
+    )
+    with pytest.raises(MissingDependency, match=r"pip install 'kvbridge\[ghost\]'"):
+        registry.get("ghost")
+
+
+@dataclasses.dataclass(frozen=True)
+class Opts:
+    path: str
+    capacity_bytes: int = 0
+    fsync: bool = False
+    mode: Literal["lru", "fifo"] = "lru"
+    ratio: float = 1.0
+    tiers: tuple[dict, ...] = ()
+
+    def __post_init__(self):
+        require(self.capacity_bytes >= 0, "capacity_bytes must be >= 0")
+
+
+def test_options_parse_and_coerce():
+    o = parse_options(Opts, {"path": "/x", "capacity_bytes": "1024", "fsync": "yes", "tiers": [{"backend": "cpu"}]})
+    assert o == Opts("/x", 1024, True, "lru", 1.0, ({"backend": "cpu"},))
+    with pytest.raises(ConfigError, match="missing required .*'path'"):
+        parse_options(Opts, {})
+    with pytest.raises(ConfigError, match="capacity_bytes"):
+        parse_options(Opts, {"path": "/x", "capacity_bytes": "lots"})
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        parse_options(Opts, {"path": "/x", "capacity_bytes": -1})
+    with pytest.raises(ConfigError, match="one of"):
+        parse_options(Opts, {"path": "/x", "mode": "random"})
+    with pytest.raises(ConfigError, match="boolean"):
+        parse_options(Opts, {"path": "/x", "fsync": "maybe"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.path = "y"  # type: ignore[misc]
+
+
+def test_import_is_cheap_and_lazy():
+    code = "import sys, kvbridge; print('torch' in sys.modules, 'vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+    assert kvbridge.KVLayout.__name__ == "KVLayout"
+    with pytest.raises(AttributeError):
+        kvbridge.nothing_here  # noqa: B018
+
+
+def test_cli_backends_and_version(capsys):
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "memory" in out and "yes" in out
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert kvbridge.__version__ in capsys.readouterr().out
