@@ -50,6 +50,8 @@ class EngineInfo:
 
     ``namespace`` separates KV that must never be mixed (model, dtype, adapter); it seeds the block
     keys. ``rank``/``world_size`` name this worker's shard under tensor parallelism.
+    ``block_bytes`` is the size of one block across all layers of this rank (0 if unknown): the
+    scheduler side has no KV tensors, and a store that sizes a pool there (``cpu``) needs it.
     """
 
     engine_id: str
@@ -58,6 +60,7 @@ class EngineInfo:
     namespace: str = ""
     rank: int = 0
     world_size: int = 1
+    block_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

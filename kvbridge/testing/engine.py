@@ -71,13 +71,19 @@ class MiniEngine:
         seed: int = 0,
     ):
         self.block_size = block_size
-        self.info = EngineInfo(engine_id=engine_id, block_size=block_size, role=role, namespace=namespace)
         if kv_format == BLOCKS_FIRST:  # one allocation, per-layer [B, H, N, 2D] views (vLLM >= 0.26)
             base = torch.zeros(num_layers, num_blocks, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
         else:  # per-layer [2, B, N, H, D] (older vLLM)
             base = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
         self.kv = {f"model.layers.{i}.self_attn": base[i] for i in range(num_layers)}
         self.layout = KVLayout.from_tensors(self.kv, block_size=block_size)
+        self.info = EngineInfo(
+            engine_id=engine_id,
+            block_size=block_size,
+            role=role,
+            namespace=namespace,
+            block_bytes=self.layout.num_layers * self.layout.block_bytes,
+        )
         self.scheduler = backend.scheduler(self.info)
         self.worker = backend.worker(self.info)
         self.worker.register(self.layout)
