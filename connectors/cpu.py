@@ -1,0 +1,272 @@
+"""``cpu`` — a bounded host-memory offload tier for one engine (prefix caching beyond device memory).
+
+The worker side allocates, once, at :meth:`CpuPool.attach`, a pool of ``capacity_bytes //
+slot_bytes`` fixed-size *slots* — a uint8 tensor ``[num_layers, num_slots, block_bytes]``, pinned
+when the KV lives on a GPU — where one slot holds one block in every layer. The pool never grows.
+
+The *index* (key -> slot, recency order, pins) lives on the scheduler side (:class:`CpuIndex`), which
+has no KV tensors but must answer :meth:`~kvbridge.store.BlockStore.contains_prefix`. It assigns
+slots in :meth:`~CpuIndex.reserve_save` and looks them up in :meth:`~CpuIndex.reserve_load`; the slot
+ids travel to the worker in ``BlockSave.target`` / ``BlockLoad.source`` as ``{"slots": (...)}``.
+Both sides must agree on the slot count, so both derive it from ``capacity_bytes`` and the bytes
+of one block across all layers (``slot_bytes``), which the scheduler learns from
+``EngineInfo.block_bytes`` (filled in by the engine adapter) or, failing that, from the
+``block_bytes`` option; the worker checks the value against its registered layout.
+
+Semantics:
+
+- A slot is *pinned* from its reservation until :meth:`~CpuIndex.release` of the request: slots a
+  load reads until the load is reported, slots a save writes until the request ends (the scheduler
+  learns of no save completion earlier). Pinned slots are never evicted.
+- When no slot is free, the least recently used unpinned one is evicted (``eviction="lru"``; with
+  ``"fifo"`` a hit does not refresh an entry). When nothing can be evicted, the save of those blocks
+  is skipped and counted in ``stats.skipped_saves`` — never an error for the request.
+- The worker tags every slot with the key it holds, set only once the copy is complete: a load
+  whose slot does not carry the expected key (a failed or skipped write) is a failed block, so
+  the pool never hands out bytes that are not the key's.
+- Moves are vectorized: one ``index_select``/``index_copy_`` per layer (or one slice copy when the
+  slots are consecutive), never a Python loop over blocks. Loads run on the worker's load thread;
+  saves run synchronously in ``finish_step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
+from kvbridge.errors import ConfigError, KVBridgeError, LayoutError
+from kvbridge.layout import KVLayout, coalesce
+from kvbridge.options import require
+from kvbridge.stats import TransferStats
+from kvbridge.store import BlockStore, StoreBackend
+from kvbridge.testing.engine import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuOptions:
+    """``capacity_bytes``: size of the host pool (required). ``block_bytes``: bytes of one block across
+    all layers of a rank, for when the engine does not report it (0: take it from the engine)."""
+
+    capacity_bytes: int
+    block_bytes: int = 0
+    eviction: Literal["lru", "fifo"] = "lru"
+
+    def __post_init__(self) -> None:
+        require(self.capacity_bytes > 0, f"cpu: capacity_bytes must be positive, got {self.capacity_bytes}")
+        require(self.block_bytes >= 0, f"cpu: block_bytes must be >= 0, got {self.block_bytes}")
+
+
+@dataclasses.dataclass
+class CpuStats(TransferStats):
+    """:class:`TransferStats` plus the saves skipped because every slot was pinned."""
+
+    skipped_saves: int = 0
+
+
+def _declared_slot_bytes(engine: EngineInfo, options: CpuOptions) -> int:
+    """The slot size both sides can know before any KV exists; 0 when nobody said."""
+    from_engine = int(getattr(engine, "block_bytes", 0) or 0)  # optional EngineInfo field
+    if from_engine and options.block_bytes and from_engine != options.block_bytes:
+        raise ConfigError(f"cpu: option block_bytes={options.block_bytes} but the engine reports {from_engine}")
+    return from_engine or options.block_bytes
+
+
+def _num_slots(capacity_bytes: int, slot_bytes: int) -> int:
+    slots = capacity_bytes // slot_bytes
+    require(slots > 0, f"cpu: capacity_bytes={capacity_bytes} holds no block of {slot_bytes} bytes")
+    return slots
+
+
+class CpuIndex(BlockStore):
+    """Scheduler side: which key sits in which slot, in recency order, and which slots are pinned."""
+
+    def __init__(self, engine: EngineInfo, options: CpuOptions):
+        super().__init__(engine)
+        self.stats: CpuStats = CpuStats()
+        slot_bytes = _declared_slot_bytes(engine, options)
+        if not slot_bytes:
+            raise ConfigError(
+                "cpu: the scheduler side cannot size the pool: the engine reports no block_bytes "
+                "(bytes of one block across all layers); set the cpu option 'block_bytes'"
+            )
+        self.num_slots = _num_slots(options.capacity_bytes, slot_bytes)
+        self._touch = options.eviction == "lru"
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...: runs
+        self._pins = [0] * self.num_slots
+        self._held: dict[str, list[int]] = {}  # request -> slots it pinned
+        self._lock = threading.Lock()
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self._slots:
+                break
+            n += 1
+        return n
+
+    def _pin(self, request_id: str, slot: int) -> None:
+        self._pins[slot] += 1
+        self._held.setdefault(request_id, []).append(slot)
+
+    def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> Mapping[str, Any]:
+        slots = []
+        with self._lock:
+            for key in keys:
+                slot = self._slots.get(key, -1)  # -1: gone since lookup; the worker reports it failed
+                if slot >= 0:
+                    self._pin(request_id, slot)
+                    if self._touch:
+                        self._slots.move_to_end(key)
+                slots.append(slot)
+        return {"slots": tuple(slots)}
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key, slot in self._slots.items():  # oldest first; pinned ones are skipped, never evicted
+            if not self._pins[slot]:
+                del self._slots[key]
+                self.stats.add(evictions=1)
+                return slot
+        return None
+
+    def reserve_save(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], Mapping[str, Any] | None]:
+        positions, slots = [], []
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key in self._slots:  # already held: a use, not a write
+                    if self._touch:
+                        self._slots.move_to_end(key)
+                    continue
+                slot = self._take_slot()
+                if slot is None:
+                    self.stats.add(skipped_saves=len(keys) - i)
+                    break  # nothing evictable now; the rest would fail the same way
+                self._slots[key] = slot
+                self._pin(request_id, slot)
+                positions.append(i)
+                slots.append(slot)
+        return positions, {"slots": tuple(slots)}
+
+    def release(self, request_id: str, *, loaded: bool = True) -> None:
+        with self._lock:
+            for slot in self._held.pop(request_id, ()):
+                self._pins[slot] -= 1
+
+    def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
+        raise KVBridgeError("cpu: load() runs on the worker side (CpuPool), not on the scheduler's index")
+
+    def save(self, op: BlockSave, layout: KVLayout) -> None:
+        raise KVBridgeError("cpu: save() runs on the worker side (CpuPool), not on the scheduler's index")
+
+
+def _slot_tensor(mapping: Mapping[str, Any] | None, n: int) -> list[int]:
+    slots = list((mapping or {}).get("slots", ()))
+    if len(slots) != n:
+        raise KVBridgeError(f"cpu: plan names {len(slots)} slots for {n} blocks")
+    return slots
+
+
+class CpuPool(BlockStore):
+    """Worker side: the slot pool itself, and the key each slot holds (so a load can verify it)."""
+
+    def __init__(self, engine: EngineInfo, options: CpuOptions):
+        super().__init__(engine)
+        self.stats: CpuStats = CpuStats()
+        self.options = options
+        self.pool: torch.Tensor | None = None
+        self._tags: list[bytes | None] = []
+
+    def attach(self, layout: KVLayout) -> None:
+        slot_bytes = layout.num_layers * layout.block_bytes
+        declared = _declared_slot_bytes(self.engine, self.options)
+        if declared and declared != slot_bytes:  # the scheduler would count a different number of slots
+            raise LayoutError(f"cpu: KV blocks are {slot_bytes} bytes over all layers, the engine declared {declared}")
+        num_slots = _num_slots(self.options.capacity_bytes, slot_bytes)
+        pin = layout.device.type == "cuda"  # pinned memory only pays (and only works) beside a GPU
+        self.pool = torch.empty((layout.num_layers, num_slots, layout.block_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._tags = [None] * num_slots
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        raise KVBridgeError("cpu: contains_prefix() is answered by the scheduler side (CpuIndex)")
+
+    def _pool(self) -> torch.Tensor:
+        if self.pool is None:
+            raise KVBridgeError("cpu: the pool is allocated when the worker registers its KV cache")
+        return self.pool
+
+    def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
+        pool = self._pool()
+        slots = _slot_tensor(op.source, len(op.block_ids))
+        n = 0  # a prefix: stop at the first slot that does not hold its key
+        while n < len(slots) and slots[n] >= 0 and self._tags[slots[n]] == op.keys[n]:
+            n += 1
+        if n:
+            ids = layout.check_ids(op.block_ids[:n])
+            runs = coalesce(op.block_ids[:n])
+            slot_runs = coalesce(slots[:n])
+            if len(slot_runs) == 1:  # consecutive slots: each layer's source is one contiguous slice
+                src = pool[:, slot_runs[0][0] : slot_runs[0][0] + n]
+            else:
+                src = pool.index_select(1, torch.as_tensor(slots[:n]))
+            if layout.device.type != "cpu":
+                src = src.to(layout.device, non_blocking=pool.is_pinned())
+            for layer in range(layout.num_layers):
+                layout.scatter_layer(layer, ids, src[layer], runs)
+            _sync(layout)
+        return op.block_ids[n:]
+
+    def save(self, op: BlockSave, layout: KVLayout) -> None:
+        pool = self._pool()
+        slots = _slot_tensor(op.target, len(op.block_ids))
+        if not slots:
+            return
+        for slot in slots:  # invalid until the copy is complete
+            self._tags[slot] = None
+        slot_runs = coalesce(slots)
+        if len(slot_runs) == 1 and layout.device.type == "cpu":  # gather straight into the pool
+            ids = layout.check_ids(op.block_ids)
+            runs = coalesce(op.block_ids)
+            start, n = slot_runs[0]
+            for layer in range(layout.num_layers):
+                layout.gather_layer(layer, ids, pool[layer, start : start + n], runs)
+        else:
+            staging = layout.gather(op.block_ids).cpu()
+            pool.index_copy_(1, torch.as_tensor(slots), staging)
+        _sync(layout)
+        for slot, key in zip(slots, op.keys):
+            self._tags[slot] = key
+
+    def close(self) -> None:
+        self.pool = None
+
+
+def _sync(layout: KVLayout) -> None:
+    # loads must be in the KV before they are reported; saves must be out of it before finish_step returns
+    if layout.device.type == "cuda":
+        torch.cuda.current_stream(layout.device).synchronize()
+
+
+class CpuBackend(StoreBackend):
+    """The ``cpu`` backend: :class:`CpuIndex` on the scheduler side, :class:`CpuPool` on the worker side."""
+
+    name = "cpu"
+    options_type = CpuOptions
+
+    def open_store(self, engine: EngineInfo, side: str) -> BlockStore:
+        return CpuIndex(engine, self.options) if side == "scheduler" else CpuPool(engine, self.options)
+
+
+def conformance_target(tmp_path: object) -> Target:
+    """One engine playing both roles: the tier is private to the engine that fills it."""
+    return Target(CpuBackend(CpuOptions(capacity_bytes=16 << 20)))
+
+
+BACKEND = CpuBackend

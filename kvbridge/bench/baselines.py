@@ -1,0 +1,168 @@
+"""Baselines: the raw medium moving the same bytes, measured in the same run as the backend.
+
+A baseline is ``fn(nbytes, op, env, reps) -> Timing``: ``op`` is the backend's operation (``save``,
+``load``, ``transfer``), ``env`` what the case learned about the backend's medium (``dir``,
+``fsync``). It raises :class:`Unavailable` when it cannot run here. Add one by adding an entry to
+:data:`BASELINES`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from kvbridge.bench.core import Timing, fill_random, time_reps
+
+Baseline = Callable[[int, str, Mapping[str, Any], int], Timing]
+
+
+class Unavailable(Exception):
+    """A baseline or a case cannot run here; the message says why."""
+
+
+def memcpy(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+    """``torch`` ``copy_`` of one contiguous buffer of ``nbytes`` into another."""
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    fill_random(src)
+    dst = torch.empty_like(src)
+    return time_reps(lambda _: dst.copy_(src), reps)
+
+
+def file(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+    """One sequential ``write`` (``save``; plus ``os.fsync`` when the backend fsyncs) or ``readinto``
+    (``load``) of ``nbytes`` in the backend's own directory."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    fill_random(buf)
+    view = memoryview(buf.numpy())
+    fsync = bool(env.get("fsync", False))
+    fd, path = tempfile.mkstemp(prefix=".kvbridge-bench-", dir=env.get("dir"))
+    os.close(fd)
+
+    def write(_: object) -> None:
+        with open(path, "wb") as f:
+            f.write(view)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+
+    def read(_: object) -> None:
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(view)
+
+    try:
+        if op == "save":
+            return time_reps(write, reps)
+        write(None)
+        return time_reps(read, reps)
+    finally:
+        os.unlink(path)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed")
+        got += n
+
+
+def tcp(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+    """A plain TCP socket on loopback: a sender thread ``sendall``s ``nbytes`` per 1-byte request."""
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    fill_random(src)
+    dst = torch.empty_like(src)
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname(), timeout=60)
+    server, _ = listener.accept()
+    listener.close()
+    for s in (client, server):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.settimeout(60)
+
+    def serve() -> None:
+        ask = bytearray(1)
+        try:
+            while server.recv_into(ask) == 1:
+                server.sendall(memoryview(src.numpy()))
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    view = memoryview(dst.numpy())
+
+    def pull(_: object) -> None:
+        client.sendall(b"g")
+        _recv_exact(client, view)
+
+    try:
+        return time_reps(pull, reps)
+    finally:
+        client.close()
+        thread.join(10)
+        server.close()
+
+
+_UCXX_SCRIPT = r"""
+import asyncio, json, sys, time
+import numpy as np
+import ucxx
+n, reps = int(sys.argv[1]), int(sys.argv[2])
+async def main():
+    ucxx.init(progress_mode="thread")
+    src = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    dst = np.empty(n, dtype=np.uint8)
+    async def handler(ep):
+        ask = np.empty(1, dtype=np.uint8)
+        for _ in range(reps + 1):
+            await ep.recv(ask, tag=1)
+            await ep.send(src, tag=2)
+        await ep.close()
+    lf = ucxx.create_listener(handler, port=0)
+    ep = await ucxx.create_endpoint("127.0.0.1", lf.port)
+    times = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        await ep.send(np.zeros(1, dtype=np.uint8), tag=1)
+        await ep.recv(dst, tag=2)
+        times.append(time.perf_counter() - t0)
+    assert (dst == src).all()
+    print(json.dumps(times[1:]), flush=True)
+    await ep.close()
+    lf.close()
+asyncio.run(main())
+"""
+
+
+def ucxx_raw(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+    """One ``ucxx`` tag send/recv of a single ``nbytes`` buffer (listener and endpoint in a fresh process,
+    so the benchmark's own UCX context is untouched)."""
+    try:
+        import ucxx  # noqa: F401
+    except ImportError as exc:
+        raise Unavailable(f"ucxx not installed ({exc}); pip install 'kvbridge[ucx]'") from exc
+    environ = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _UCXX_SCRIPT, str(nbytes), str(reps)],
+            capture_output=True, text=True, timeout=120, env=environ, check=True,
+        )
+        return Timing(tuple(json.loads(out.stdout.strip().splitlines()[-1])))
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        detail = getattr(exc, "stderr", "") or ""
+        raise Unavailable(f"ucxx transfer failed: {exc} {detail.strip()[-200:]}") from exc
+
+
+BASELINES: dict[str, Baseline] = {"memcpy": memcpy, "file": file, "tcp": tcp, "ucxx": ucxx_raw}
+
+__all__ = ["BASELINES", "Baseline", "Unavailable", "file", "memcpy", "tcp", "ucxx_raw"]

@@ -1,0 +1,360 @@
+"""The measurement core: model shapes, benchmark points, timing, records, and a bare paged KV cache
+driven through a backend's scheduler and worker sides.
+
+Only the transfer is timed. A :class:`KVPool` fills its KV cache with random bytes once
+(``torch.randint``), builds the plan outside the timed region, and times exactly what moves bytes:
+``start_step`` … ``finish_step`` for a save, ``start_step`` … the ``poll`` that reports the last
+load for a load (or a peer's pull).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from kvbridge.contract import Backend, EngineInfo, FinishDecision, RequestInfo, Role, ScheduledRequest, StepPlan
+from kvbridge.errors import TransferTimeout
+from kvbridge.keys import block_keys
+from kvbridge.layout import KVLayout
+
+IdPattern = Literal["contiguous", "scattered"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The KV geometry of a model: per layer K and V of ``num_kv_heads x head_size``."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+
+SHAPES: dict[str, Shape] = {
+    "8b": Shape("8b", 32, 8, 128),  # Llama-3-8B: 128 KiB/token
+    "70b": Shape("70b", 80, 8, 128),  # Llama-3-70B: 320 KiB/token
+    "tiny": Shape("tiny", 1, 1, 64),  # scheduler overhead: block counts matter, bytes do not
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One configuration to measure: ``requests`` concurrent requests of ``tokens`` tokens each."""
+
+    shape: Shape
+    tokens: int
+    block_size: int = 16
+    ids: IdPattern = "scattered"
+    requests: int = 1
+
+    @property
+    def blocks_per_request(self) -> int:
+        return max(1, self.tokens // self.block_size)
+
+    @property
+    def blocks(self) -> int:
+        return self.blocks_per_request * self.requests
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved: full blocks only (a partial last block is always recomputed)."""
+        return self.blocks * self.block_size * self.shape.bytes_per_token
+
+    def label(self) -> str:
+        return f"{self.shape.name} {self.tokens}tok bs{self.block_size} {self.ids} x{self.requests}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall-clock samples of one timed operation, in seconds."""
+
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def p99(self) -> float:
+        return float(np.percentile(self.samples, 99))
+
+
+def time_reps(
+    fn: Callable[[Any], object],
+    reps: int,
+    *,
+    warmup: int = 1,
+    setup: Callable[[int], Any] | None = None,
+    teardown: Callable[[Any], object] | None = None,
+) -> Timing:
+    """Call ``fn(setup(i))`` ``warmup + reps`` times, timing only ``fn``; the samples of the last ``reps``.
+
+    ``setup`` (plans, fresh keys) and ``teardown(state)`` (finishing requests, releases) run untimed.
+    """
+    out = []
+    for i in range(warmup + reps):
+        state = setup(i) if setup else None
+        t0 = time.perf_counter()
+        fn(state)
+        dt = time.perf_counter() - t0
+        if teardown:
+            teardown(state)
+        if i >= warmup:
+            out.append(dt)
+    return Timing(tuple(out))
+
+
+@dataclasses.dataclass
+class Record:
+    """One measured figure beside its baseline. ``ratio`` is ours/baseline in time (2.0: twice as slow).
+
+    A case that could not run has ``median_s=None`` and says why in ``note`` ("not measured: ...").
+    For ``sched_step`` the times are per request per step and ``gbps`` is ``None``.
+    """
+
+    backend: str
+    op: str
+    shape: str
+    tokens: int
+    bytes: int
+    blocks: int
+    median_s: float | None
+    p99_s: float | None
+    gbps: float | None
+    baseline: str
+    baseline_s: float | None
+    baseline_gbps: float | None
+    ratio: float | None
+    block_size: int = 16
+    ids: str = "scattered"
+    requests: int = 1
+    reps: int = 0
+    note: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.median_s is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def gbps(nbytes: int, seconds: float | None) -> float | None:
+    """Decimal GB/s, as every figure in the tables (``None`` when not measured)."""
+    return nbytes / seconds / 1e9 if seconds else None
+
+
+def make_record(
+    backend: str, op: str, point: Point, ours: Timing | None, baseline: str, base: Timing | None, *, note: str = "",
+    per: int = 1, moves_bytes: bool = True,
+) -> Record:
+    """A record of ``ours`` beside ``base`` at ``point``; times are divided by ``per`` (per-request figures)."""
+    med = ours.median / per if ours else None
+    base_med = base.median / per if base else None
+    return Record(
+        backend=backend,
+        op=op,
+        shape=point.shape.name,
+        tokens=point.tokens,
+        bytes=point.nbytes,
+        blocks=point.blocks,
+        median_s=med,
+        p99_s=ours.p99 / per if ours else None,
+        gbps=gbps(point.nbytes, med) if moves_bytes else None,
+        baseline=baseline,
+        baseline_s=base_med,
+        baseline_gbps=gbps(point.nbytes, base_med) if moves_bytes else None,
+        ratio=med / base_med if med and base_med else None,
+        block_size=point.block_size,
+        ids=point.ids,
+        requests=point.requests,
+        reps=len(ours.samples) if ours else 0,
+        note=note,
+    )
+
+
+def fill_random(t: torch.Tensor, seed: int = 0) -> None:
+    """Fill ``t`` with random bytes, once (a real KV cache is incompressible noise to a transport)."""
+    g = torch.Generator().manual_seed(seed)
+    flat = t.view(-1).view(torch.int16) if t.element_size() == 2 else t.view(-1).view(torch.uint8)
+    lo, hi = (-(2**15), 2**15) if flat.dtype == torch.int16 else (0, 256)
+    torch.randint(lo, hi, flat.shape, generator=g, dtype=flat.dtype, out=flat)
+
+
+class KVPool:
+    """One engine's side of a benchmark: a paged KV cache of random bytes, a scheduler and a worker.
+
+    Block ids are handed out per request as contiguous runs or scattered over the whole cache.
+    """
+
+    def __init__(
+        self, backend: Backend, point: Point, *, role: Role, engine_id: str, namespace: str = "bench", seed: int = 0,
+        fill: bool = True,
+    ):
+        self.point = point
+        shape = point.shape
+        per_request = point.blocks_per_request + 1  # the partial last block of each prompt
+        self.num_blocks = per_request * point.requests
+        base = torch.empty(
+            shape.num_layers, self.num_blocks, shape.num_kv_heads, point.block_size, 2 * shape.head_size, dtype=shape.dtype
+        )
+        if fill:
+            fill_random(base, seed)
+        self.kv = base
+        self.layout = KVLayout.from_tensors({f"layer.{i}": base[i] for i in range(shape.num_layers)}, block_size=point.block_size)
+        self.info = EngineInfo(engine_id=engine_id, block_size=point.block_size, role=role, namespace=namespace)
+        self.scheduler = backend.scheduler(self.info)
+        self.worker = backend.worker(self.info)
+        self.worker.register(self.layout)
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(self.num_blocks) if point.ids == "scattered" else np.arange(self.num_blocks)
+        self.request_blocks = [tuple(order[i * per_request : (i + 1) * per_request].tolist()) for i in range(point.requests)]
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.worker.close()
+
+
+def prompts(point: Point, seed: int) -> list[list[int]]:
+    """``point.requests`` random prompts of ``tokens + 1`` tokens: every full block is loadable."""
+    rng = np.random.default_rng(seed)
+    n = point.blocks_per_request * point.block_size + 1
+    return [rng.integers(0, 128_000, n).tolist() for _ in range(point.requests)]
+
+
+def requests(pool: KVPool, tag: str, tokens: Sequence[Sequence[int]], params: Sequence[Mapping[str, Any] | None] | None = None) -> list[RequestInfo]:
+    """RequestInfos for ``tokens`` (keys computed here, outside any timed region)."""
+    bs, ns = pool.point.block_size, pool.info.namespace
+    return [
+        RequestInfo(f"{tag}-{i}", tuple(t), tuple(block_keys(t, bs, namespace=ns)), params[i] if params else None)
+        for i, t in enumerate(tokens)
+    ]
+
+
+# ---- the flows: plan outside the timer, move bytes inside it ------------------------------------
+def plan_save(pool: KVPool, reqs: Sequence[RequestInfo]) -> StepPlan:
+    """Producer scheduler: every request's prompt computed in one step; the plan that saves it."""
+    sched = pool.scheduler
+    for req, ids in zip(reqs, pool.request_blocks):
+        n = sched.lookup(req, 0).num_tokens
+        sched.on_allocated(req, ids, n)
+    return sched.plan_step(
+        [ScheduledRequest(r.request_id, ids, 0, r.num_prompt_tokens) for r, ids in zip(reqs, pool.request_blocks)]
+    )
+
+
+def run_save(pool: KVPool, plan: StepPlan) -> None:
+    """Worker: the step's per-layer saves (timed)."""
+    w = pool.worker
+    w.start_step(plan)
+    for layer in range(pool.layout.num_layers):
+        w.wait_layer(layer)
+        w.save_layer(layer)
+    w.finish_step()
+
+
+def end_save(pool: KVPool, reqs: Sequence[RequestInfo]) -> list[FinishDecision]:
+    """Producer: the step's report, then every request ends; what each consumer needs."""
+    pool.scheduler.on_report(pool.worker.poll())
+    return [pool.scheduler.on_finished(r, ids) for r, ids in zip(reqs, pool.request_blocks)]
+
+
+def plan_load(pool: KVPool, reqs: Sequence[RequestInfo]) -> StepPlan:
+    """Consumer scheduler: lookup and allocation of every request; the plan that loads them.
+
+    Raises ``RuntimeError`` when the backend cannot supply every full block (nothing to time).
+    """
+    sched = pool.scheduler
+    for req, ids in zip(reqs, pool.request_blocks):
+        n = sched.lookup(req, 0).num_tokens
+        want = pool.point.blocks_per_request * pool.point.block_size
+        if n != want:
+            raise RuntimeError(f"backend offers {n} of {want} tokens for {req.request_id}")
+        sched.on_allocated(req, ids, n)
+    return sched.plan_step([])
+
+
+def run_load(pool: KVPool, plan: StepPlan, reqs: Sequence[RequestInfo], *, timeout: float = 120.0) -> frozenset[int]:
+    """Worker: start the loads and poll until every request is reported (timed); the failed blocks."""
+    w, sched = pool.worker, pool.scheduler
+    waiting = {r.request_id for r in reqs}
+    failed: set[int] = set()
+    w.start_step(plan)
+    w.finish_step()
+    deadline = time.perf_counter() + timeout
+    while waiting:
+        report = w.poll()
+        if report:
+            sched.on_report(report)
+            waiting -= report.finished_loading
+            failed |= report.failed_blocks
+        elif time.perf_counter() > deadline:
+            raise TransferTimeout(f"loads of {sorted(waiting)} not reported within {timeout}s")
+        else:
+            time.sleep(0.0001)
+    return frozenset(failed)
+
+
+def end_load(pool: KVPool, reqs: Sequence[RequestInfo]) -> None:
+    for req, ids in zip(reqs, pool.request_blocks):
+        pool.scheduler.on_finished(req, ids)
+
+
+def settle(pool: KVPool, reqs: Sequence[RequestInfo], decisions: Sequence[FinishDecision], *, timeout: float = 60.0) -> None:
+    """Producer: idle steps until every held request is released (a peer's consumer pulled it)."""
+    held = {r.request_id for r, d in zip(reqs, decisions) if d.delay_free}
+    deadline = time.perf_counter() + timeout
+    while held:
+        pool.worker.start_step(pool.scheduler.plan_step([]))
+        pool.worker.finish_step()
+        report = pool.worker.poll()
+        pool.scheduler.on_report(report)
+        held -= report.finished_saving
+        if held and time.perf_counter() > deadline:
+            raise TransferTimeout(f"producer still holds {sorted(held)} after {timeout}s")
+        if held:
+            time.sleep(0.0005)
+
+
+def same_blocks(src: KVPool, dst: KVPool) -> bool:
+    """Did every full block of every request arrive bit-exact? (checked once per point, untimed)."""
+    n = src.point.blocks_per_request
+    for a, b in zip(src.request_blocks, dst.request_blocks):
+        if not torch.equal(src.layout.gather(a[:n]), dst.layout.gather(b[:n])):
+            return False
+    return True
+
+
+__all__ = [
+    "SHAPES",
+    "KVPool",
+    "Point",
+    "Record",
+    "Shape",
+    "Timing",
+    "end_load",
+    "end_save",
+    "fill_random",
+    "gbps",
+    "make_record",
+    "plan_load",
+    "plan_save",
+    "prompts",
+    "requests",
+    "run_load",
+    "run_save",
+    "same_blocks",
+    "settle",
+    "time_reps",
+]
