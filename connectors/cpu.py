@@ -146,9 +146,9 @@ class CpuIndex(BlockStore):
                         self._slots.move_to_end(key)
                     continue
                 slot = self._take_slot()
-                if slot is None:
-                    self.stats.add(skipped_saves=len(keys) - i)
-                    break  # nothing evictable now; the rest would fail the same way
+                if slot is None:  # nothing evictable now; the rest would fail the same way
+                    self.stats.add(skipped_saves=sum(k not in self._slots for k in keys[i:]))
+                    break
                 self._slots[key] = slot
                 self._pin(request_id, slot)
                 positions.append(i)
@@ -167,7 +167,7 @@ class CpuIndex(BlockStore):
         raise KVBridgeError("cpu: save() runs on the worker side (CpuPool), not on the scheduler's index")
 
 
-def _slot_tensor(mapping: Mapping[str, Any] | None, n: int) -> list[int]:
+def _slots(mapping: Mapping[str, Any] | None, n: int) -> list[int]:
     slots = list((mapping or {}).get("slots", ()))
     if len(slots) != n:
         raise KVBridgeError(f"cpu: plan names {len(slots)} slots for {n} blocks")
@@ -183,6 +183,7 @@ class CpuPool(BlockStore):
         self.options = options
         self.pool: torch.Tensor | None = None
         self._tags: list[bytes | None] = []
+        self._stream: Any = None  # the loads' own CUDA stream
 
     def attach(self, layout: KVLayout) -> None:
         slot_bytes = layout.num_layers * layout.block_bytes
@@ -193,6 +194,8 @@ class CpuPool(BlockStore):
         pin = layout.device.type == "cuda"  # pinned memory only pays (and only works) beside a GPU
         self.pool = torch.empty((layout.num_layers, num_slots, layout.block_bytes), dtype=torch.uint8, pin_memory=pin)
         self._tags = [None] * num_slots
+        if pin:
+            self._stream = torch.cuda.Stream(layout.device)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         raise KVBridgeError("cpu: contains_prefix() is answered by the scheduler side (CpuIndex)")
@@ -204,42 +207,39 @@ class CpuPool(BlockStore):
 
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         pool = self._pool()
-        slots = _slot_tensor(op.source, len(op.block_ids))
+        slots = _slots(op.source, len(op.block_ids))
         n = 0  # a prefix: stop at the first slot that does not hold its key
         while n < len(slots) and slots[n] >= 0 and self._tags[slots[n]] == op.keys[n]:
             n += 1
-        if n:
-            ids = layout.check_ids(op.block_ids[:n])
-            runs = coalesce(op.block_ids[:n])
-            slot_runs = coalesce(slots[:n])
-            if len(slot_runs) == 1:  # consecutive slots: each layer's source is one contiguous slice
-                src = pool[:, slot_runs[0][0] : slot_runs[0][0] + n]
-            else:
-                src = pool.index_select(1, torch.as_tensor(slots[:n]))
-            if layout.device.type != "cpu":
-                src = src.to(layout.device, non_blocking=pool.is_pinned())
-            for layer in range(layout.num_layers):
-                layout.scatter_layer(layer, ids, src[layer], runs)
-            _sync(layout)
+        if n and self._stream is not None:
+            # a side stream lets the load overlap the forward pass; it first waits for work still
+            # queued on these blocks (their previous owner's kernels)
+            self._stream.wait_stream(torch.cuda.default_stream(layout.device))
+            with torch.cuda.stream(self._stream):
+                _copy_in(pool, slots[:n], op.block_ids[:n], layout)
+        elif n:
+            _copy_in(pool, slots[:n], op.block_ids[:n], layout)
         return op.block_ids[n:]
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         pool = self._pool()
-        slots = _slot_tensor(op.target, len(op.block_ids))
+        slots = _slots(op.target, len(op.block_ids))
         if not slots:
             return
         for slot in slots:  # invalid until the copy is complete
             self._tags[slot] = None
         slot_runs = coalesce(slots)
-        if len(slot_runs) == 1 and layout.device.type == "cpu":  # gather straight into the pool
+        if len(slot_runs) == 1 and layout.device.type == "cpu":  # gather straight into the pool: one copy
             ids = layout.check_ids(op.block_ids)
             runs = coalesce(op.block_ids)
             start, n = slot_runs[0]
             for layer in range(layout.num_layers):
                 layout.gather_layer(layer, ids, pool[layer, start : start + n], runs)
+        elif len(slot_runs) == 1:  # one device-to-host copy into consecutive slots
+            start, n = slot_runs[0]
+            pool[:, start : start + n].copy_(layout.gather(op.block_ids))
         else:
-            staging = layout.gather(op.block_ids).cpu()
-            pool.index_copy_(1, torch.as_tensor(slots), staging)
+            pool.index_copy_(1, torch.as_tensor(slots), layout.gather(op.block_ids).cpu())
         _sync(layout)
         for slot, key in zip(slots, op.keys):
             self._tags[slot] = key
@@ -248,10 +248,25 @@ class CpuPool(BlockStore):
         self.pool = None
 
 
+def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], layout: KVLayout) -> None:
+    ids = layout.check_ids(block_ids)
+    slot_runs = coalesce(slots)
+    if len(slot_runs) == 1:  # consecutive slots: each layer's source is one contiguous slice
+        src = pool[:, slot_runs[0][0] : slot_runs[0][0] + len(slots)]
+    else:
+        src = pool.index_select(1, torch.as_tensor(slots))
+    if layout.device.type != "cpu":
+        src = src.to(layout.device, non_blocking=pool.is_pinned())
+    runs = coalesce(block_ids)
+    for layer in range(layout.num_layers):
+        layout.scatter_layer(layer, ids, src[layer], runs)
+    _sync(layout)
+
+
 def _sync(layout: KVLayout) -> None:
-    # loads must be in the KV before they are reported; saves must be out of it before finish_step returns
+    # loads must be in the KV before they are reported, saves out of it before finish_step returns
     if layout.device.type == "cuda":
-        torch.cuda.current_stream(layout.device).synchronize()
+        torch.cuda.current_stream(layout.device).synchronize()  # inside a load: the load stream
 
 
 class CpuBackend(StoreBackend):
