@@ -1,0 +1,277 @@
+"""``chain`` — ordered store tiers (fastest first) behind one connector, e.g. ``cpu`` then ``fs``.
+
+Options: ``tiers`` is a list of ``{"backend": NAME, **that backend's options}``; each tier is built
+with :func:`kvbridge.registry.create` when the chain is (an unknown name raises
+:class:`~kvbridge.errors.UnknownBackend` there) and must be a store (a peer is a
+:class:`~kvbridge.errors.ConfigError`). Each side of the chain opens the same side of every tier.
+
+Semantics:
+
+- **Lookup**: the longest prefix of blocks each held by *some* tier (blocks 0-3 in ``cpu`` and 4-7
+  only in ``fs`` make a prefix of 8).
+- **Loads**: every block comes from the first (fastest) tier that holds it; the plan carries, per
+  tier, the positions it serves and that tier's own reservation (``BlockLoad.source`` =
+  ``{"tiers": ((tier, positions, source), ...), "promote": ((tier, positions, target), ...)}``).
+- **Promotion** (``promote``, default on): a block served by a slower tier is saved into every
+  faster tier from the KV right after the load, on the load thread. That is safe: the blocks belong
+  to a request that waits for the load and nothing reads or overwrites them until it is reported.
+  Slots in the faster tier are reserved on the scheduler side with the load. A tier whose
+  reservation names its own placement (``target`` not ``None``, as ``cpu``'s slots) is promoted into
+  only when every block of its share arrived; the bytes of a block that failed are never stored.
+- **Saves**: write-through to every tier (each tier picks which blocks it takes, via its own
+  ``reserve_save``). ``write_back`` is not implemented and is refused.
+- **Degradation**: a tier that raises (lookup, reservation, load or save) is left out of that call
+  and counted in ``stats.tier_failures``; the others still serve and store. A request fails only
+  where no tier could deliver a block (reported as failed blocks, which the engine recomputes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvbridge import registry
+from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
+from kvbridge.errors import ConfigError, TransferError
+from kvbridge.layout import KVLayout, coalesce
+from kvbridge.options import require
+from kvbridge.stats import TransferStats
+from kvbridge.store import BlockStore, StoreBackend
+from kvbridge.testing.engine import Target
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainOptions:
+    """``tiers``: ``[{"backend": NAME, ...options}, ...]``, fastest first. ``promote``: copy blocks
+    found in a slower tier into the faster ones. ``write_back``: not implemented (must stay false)."""
+
+    tiers: tuple[dict[str, Any], ...]
+    promote: bool = True
+    write_back: bool = False
+
+    def __post_init__(self) -> None:
+        require(len(self.tiers) > 0, "chain: option 'tiers' must name at least one tier")
+        for i, tier in enumerate(self.tiers):
+            require(
+                isinstance(tier, Mapping) and isinstance(tier.get("backend"), str),
+                f"chain: tier {i} must be a mapping with a 'backend' name, got {tier!r}",
+            )
+        require(not self.write_back, "chain: write_back is not implemented; saves are write-through to every tier")
+
+
+@dataclasses.dataclass
+class ChainStats(TransferStats):
+    """:class:`TransferStats` plus tier failures absorbed and blocks promoted into faster tiers."""
+
+    tier_failures: int = 0
+    promoted_blocks: int = 0
+
+
+_FAILED: Any = object()  # what a tier call that raised returns
+
+
+class ChainStore(BlockStore):
+    """One side of every tier, composed; ``tiers[i]`` is tier ``i``'s own store (fastest first)."""
+
+    def __init__(self, engine: EngineInfo, tiers: Sequence[BlockStore], names: Sequence[str], promote: bool):
+        super().__init__(engine)
+        self.stats: ChainStats = ChainStats()
+        self.tiers = list(tiers)
+        self.names = list(names)
+        self.promote = promote
+        self._warned: set[tuple[int, str]] = set()
+
+    def _call(self, tier: int, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run one tier's call; a raise is logged (once per tier and call), counted, and absorbed."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.stats.add(tier_failures=1)
+            level = logging.DEBUG if (tier, what) in self._warned else logging.WARNING
+            self._warned.add((tier, what))
+            log.log(level, "chain: tier %d (%s) failed in %s: %s", tier, self.names[tier], what, exc)
+            return _FAILED  # type: ignore[no-any-return]
+
+    # -- scheduler side ---------------------------------------------------------------------------
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        pos, dead = 0, set()
+        advanced = True
+        while advanced and pos < len(keys):  # each tier extends the prefix where the others stop
+            advanced = False
+            for t, tier in enumerate(self.tiers):
+                if t in dead or pos >= len(keys):
+                    continue
+                m = self._call(t, "contains_prefix", tier.contains_prefix, keys[pos:])
+                if m is _FAILED:
+                    dead.add(t)
+                elif m:
+                    pos, advanced = pos + m, True
+        return pos
+
+    def _members(self, t: int, keys: Sequence[bytes], positions: Sequence[int]) -> list[int] | None:
+        """Which of ``positions`` tier ``t`` holds (it answers prefixes only: ask again past each miss)."""
+        tier, out = self.tiers[t], list[int]()
+        for start, count in coalesce(positions):
+            i, end = start, start + count
+            while i < end:
+                m = self._call(t, "contains_prefix", tier.contains_prefix, keys[i:end])
+                if m is _FAILED:
+                    return None
+                out.extend(range(i, i + min(m, end - i)))
+                i += m + 1
+        return out
+
+    def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> Mapping[str, Any]:
+        remaining = list(range(len(keys)))
+        loads = []
+        for t, tier in enumerate(self.tiers):  # fastest first: each block from the first tier holding it
+            if not remaining:
+                break
+            mine = self._members(t, keys, remaining)
+            if not mine:
+                continue
+            source = self._call(t, "reserve_load", tier.reserve_load, request_id, [keys[i] for i in mine])
+            if source is _FAILED:
+                continue  # its blocks may still be found in a slower tier
+            loads.append((t, tuple(mine), source))
+            taken = set(mine)
+            remaining = [i for i in remaining if i not in taken]
+        promote = []
+        for f, tier in enumerate(self.tiers if self.promote else ()):
+            slower = sorted(i for t, positions, _ in loads if t > f for i in positions)
+            if not slower:
+                continue
+            reserved = self._call(f, "reserve_save", tier.reserve_save, request_id, [keys[i] for i in slower])
+            if reserved is _FAILED:
+                continue
+            chosen, target = reserved
+            if len(chosen):
+                promote.append((f, tuple(slower[i] for i in chosen), target))
+        return {"tiers": tuple(loads), "promote": tuple(promote)}
+
+    def reserve_save(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], Mapping[str, Any] | None]:
+        per_tier = []
+        for t, tier in enumerate(self.tiers):
+            reserved = self._call(t, "reserve_save", tier.reserve_save, request_id, keys)
+            if reserved is not _FAILED:
+                per_tier.append((t, list(reserved[0]), reserved[1]))
+        union = sorted({i for _, chosen, _ in per_tier for i in chosen})
+        at = {p: i for i, p in enumerate(union)}  # the plan's save holds only the union, in order
+        plan = tuple((t, tuple(at[p] for p in chosen), target) for t, chosen, target in per_tier if chosen)
+        return union, {"tiers": plan}
+
+    def release(self, request_id: str, *, loaded: bool = True) -> None:
+        for t, tier in enumerate(self.tiers):
+            self._call(t, "release", lambda s=tier: s.release(request_id, loaded=loaded))
+
+    # -- worker side ------------------------------------------------------------------------------
+    def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
+        source = op.source or {}
+        failed: set[int] = set()
+        covered: set[int] = set()
+        slot_bytes = layout.num_layers * layout.block_bytes
+        for t, positions, tier_source in source.get("tiers", ()):
+            covered.update(positions)
+            sub = BlockLoad(
+                op.request_id,
+                tuple(op.block_ids[i] for i in positions),
+                tuple(op.keys[i] for i in positions),
+                tier_source,
+            )
+            bad = self._call(t, "load", self.tiers[t].load, sub, layout)
+            bad = set(sub.block_ids) if bad is _FAILED else set(bad)
+            ok = len(sub.block_ids) - len(bad)
+            self.tiers[t].stats.add(loads=1, load_blocks=ok, load_bytes=ok * slot_bytes, failed_blocks=len(bad))
+            failed |= bad
+        failed.update(b for i, b in enumerate(op.block_ids) if i not in covered)  # in no tier any more
+        for f, positions, target in source.get("promote", ()):
+            ids = [op.block_ids[i] for i in positions]
+            keep = [i for i, b in zip(positions, ids) if b not in failed]
+            if len(keep) < len(positions) and target is not None:
+                continue  # the tier placed every block itself: all or nothing
+            sub_save = BlockSave(
+                op.request_id, tuple(op.block_ids[i] for i in keep), tuple(op.keys[i] for i in keep), target
+            )
+            if sub_save.block_ids and self._call(f, "save", self.tiers[f].save, sub_save, layout) is not _FAILED:
+                n = len(sub_save.block_ids)
+                self.stats.add(promoted_blocks=n)
+                self.tiers[f].stats.add(saves=1, save_blocks=n, save_bytes=n * slot_bytes)
+        return [b for b in op.block_ids if b in failed]
+
+    def save(self, op: BlockSave, layout: KVLayout) -> None:
+        plan = (op.target or {}).get("tiers", ())
+        stored = False
+        for t, positions, target in plan:
+            sub = BlockSave(
+                op.request_id,
+                tuple(op.block_ids[i] for i in positions),
+                tuple(op.keys[i] for i in positions),
+                target,
+            )
+            if self._call(t, "save", self.tiers[t].save, sub, layout) is not _FAILED:
+                stored = True
+                n = len(sub.block_ids)
+                self.tiers[t].stats.add(saves=1, save_blocks=n, save_bytes=n * layout.num_layers * layout.block_bytes)
+        if plan and not stored:
+            raise TransferError(f"chain: every tier failed to save {op.request_id}")  # counted by the worker
+
+    def attach(self, layout: KVLayout) -> None:
+        for tier in self.tiers:  # a tier that cannot take this layout is a start-up error, not degraded
+            tier.attach(layout)
+
+    def close(self) -> None:
+        for t, tier in enumerate(self.tiers):
+            self._call(t, "close", tier.close)
+
+
+class ChainBackend(StoreBackend):
+    """The ``chain`` backend: builds its tiers at construction; ``tiers[i]`` is tier ``i``'s backend."""
+
+    name = "chain"
+    options_type = ChainOptions
+
+    def __init__(self, options: ChainOptions):
+        super().__init__(options)
+        self.tiers: list[StoreBackend] = []
+        for i, spec in enumerate(options.tiers):
+            name = spec["backend"]
+            try:
+                backend = registry.create(name, {k: v for k, v in spec.items() if k != "backend"})
+            except ConfigError as exc:  # the same error (UnknownBackend stays UnknownBackend), located
+                raise type(exc)(f"chain tier {i}: {exc}") from exc
+            if not isinstance(backend, StoreBackend):
+                raise ConfigError(f"chain tier {i}: {name!r} is a {backend.kind} backend; a chain tier must be a store")
+            self.tiers.append(backend)
+
+    def open_store(self, engine: EngineInfo, side: str) -> ChainStore:
+        stores: list[BlockStore] = []
+        try:
+            for tier in self.tiers:
+                stores.append(tier.open_store(engine, side))
+        except BaseException:
+            for store in stores:
+                store.close()
+            raise
+        return ChainStore(engine, stores, [t.name for t in self.tiers], self.options.promote)
+
+
+def conformance_target(tmp_path: object) -> Target:
+    """Two engines, each with its own ``cpu`` tier in front of one shared ``memory`` tier: the
+    consumer's blocks come from the slower tier (and are promoted into its ``cpu``)."""
+    from kvbridge.connectors import memory
+
+    name = f"chain-conformance-{tmp_path}"
+    tiers: list[dict[str, Any]] = [{"backend": "cpu", "capacity_bytes": 16 << 20}, {"backend": "memory", "name": name}]
+    return Target(
+        ChainBackend(ChainOptions(tuple(tiers))),
+        ChainBackend(ChainOptions(tuple(tiers))),
+        lambda: memory.clear(name),
+    )
+
+
+BACKEND = ChainBackend
