@@ -72,7 +72,7 @@ _IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024) per readv/writev
 _LOW_WATER = 0.9  # evict down to this fraction of capacity_bytes
 _STALE_TMP_S = 3600.0  # temp files this old belong to a writer that died; eviction scans remove them
 
-Checksum = Callable[[Sequence[Any]], int]
+Checksum = Callable[[Sequence[memoryview]], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,19 +92,19 @@ class FsOptions:
         require(self.capacity_bytes >= 0, f"fs option 'capacity_bytes' must be >= 0, got {self.capacity_bytes}")
 
 
-def _crc32(parts: Sequence[Any]) -> int:
+def _crc32(parts: Sequence[memoryview]) -> int:
     crc = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
     return crc
 
 
-def _crc32c(parts: Sequence[Any]) -> int:
+def _crc32c(parts: Sequence[memoryview]) -> int:
     import google_crc32c
 
     crc = 0
     for part in parts:
-        crc = google_crc32c.extend(crc, part)
+        crc = google_crc32c.extend(crc, part.toreadonly())  # it refuses writable buffers
     return int(crc)
 
 
