@@ -29,6 +29,11 @@ class Unavailable(Exception):
     """A baseline or a case cannot run here; the message says why."""
 
 
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU uint8 tensor (no copy)."""
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+
+
 def memcpy(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
     """``torch`` ``copy_`` of one contiguous buffer of ``nbytes`` into another."""
     src = torch.empty(nbytes, dtype=torch.uint8)
@@ -42,7 +47,7 @@ def file(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
     (``load``) of ``nbytes`` in the backend's own directory."""
     buf = torch.empty(nbytes, dtype=torch.uint8)
     fill_random(buf)
-    view = memoryview(buf.numpy())
+    view = _bytes(buf)
     fsync = bool(env.get("fsync", False))
     fd, path = tempfile.mkstemp(prefix=".kvbridge-bench-", dir=env.get("dir"))
     os.close(fd)
@@ -93,13 +98,13 @@ def tcp(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
         ask = bytearray(1)
         try:
             while server.recv_into(ask) == 1:
-                server.sendall(memoryview(src.numpy()))
+                server.sendall(_bytes(src))
         except OSError:
             pass
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    view = memoryview(dst.numpy())
+    view = _bytes(dst)
 
     def pull(_: object) -> None:
         client.sendall(b"g")
@@ -155,7 +160,11 @@ def ucxx_raw(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
     try:
         out = subprocess.run(
             [sys.executable, "-c", _UCXX_SCRIPT, str(nbytes), str(reps)],
-            capture_output=True, text=True, timeout=120, env=environ, check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=environ,
+            check=True,
         )
         return Timing(tuple(json.loads(out.stdout.strip().splitlines()[-1])))
     except (subprocess.SubprocessError, ValueError, IndexError) as exc:

@@ -156,8 +156,16 @@ def gbps(nbytes: int, seconds: float | None) -> float | None:
 
 
 def make_record(
-    backend: str, op: str, point: Point, ours: Timing | None, baseline: str, base: Timing | None, *, note: str = "",
-    per: int = 1, moves_bytes: bool = True,
+    backend: str,
+    op: str,
+    point: Point,
+    ours: Timing | None,
+    baseline: str,
+    base: Timing | None,
+    *,
+    note: str = "",
+    per: int = 1,
+    moves_bytes: bool = True,
 ) -> Record:
     """A record of ``ours`` beside ``base`` at ``point``; times are divided by ``per`` (per-request figures)."""
     med = ours.median / per if ours else None
@@ -195,31 +203,57 @@ def fill_random(t: torch.Tensor, seed: int = 0) -> None:
 class KVPool:
     """One engine's side of a benchmark: a paged KV cache of random bytes, a scheduler and a worker.
 
-    Block ids are handed out per request as contiguous runs or scattered over the whole cache.
+    ``sets`` disjoint sets of block ids are handed out (``blocks[set][request]``), each request's ids
+    a contiguous run or scattered over the whole cache; an engine that plays producer and consumer
+    saves from set 0 and loads into set 1.
     """
 
     def __init__(
-        self, backend: Backend, point: Point, *, role: Role, engine_id: str, namespace: str = "bench", seed: int = 0,
+        self,
+        backend: Backend,
+        point: Point,
+        *,
+        role: Role,
+        engine_id: str,
+        namespace: str = "bench",
+        seed: int = 0,
+        sets: int = 1,
         fill: bool = True,
     ):
         self.point = point
         shape = point.shape
         per_request = point.blocks_per_request + 1  # the partial last block of each prompt
-        self.num_blocks = per_request * point.requests
+        self.num_blocks = per_request * point.requests * sets
         base = torch.empty(
-            shape.num_layers, self.num_blocks, shape.num_kv_heads, point.block_size, 2 * shape.head_size, dtype=shape.dtype
+            shape.num_layers,
+            self.num_blocks,
+            shape.num_kv_heads,
+            point.block_size,
+            2 * shape.head_size,
+            dtype=shape.dtype,
         )
         if fill:
             fill_random(base, seed)
-        self.kv = base
-        self.layout = KVLayout.from_tensors({f"layer.{i}": base[i] for i in range(shape.num_layers)}, block_size=point.block_size)
-        self.info = EngineInfo(engine_id=engine_id, block_size=point.block_size, role=role, namespace=namespace)
+        self.layout = KVLayout.from_tensors(
+            {f"layer.{i}": base[i] for i in range(shape.num_layers)}, block_size=point.block_size
+        )
+        self.info = EngineInfo(
+            engine_id=engine_id,
+            block_size=point.block_size,
+            role=role,
+            namespace=namespace,
+            block_bytes=self.layout.num_layers * self.layout.block_bytes,
+        )
         self.scheduler = backend.scheduler(self.info)
         self.worker = backend.worker(self.info)
         self.worker.register(self.layout)
-        rng = np.random.default_rng(seed)
-        order = rng.permutation(self.num_blocks) if point.ids == "scattered" else np.arange(self.num_blocks)
-        self.request_blocks = [tuple(order[i * per_request : (i + 1) * per_request].tolist()) for i in range(point.requests)]
+        order = (
+            np.random.default_rng(seed).permutation(self.num_blocks)
+            if point.ids == "scattered"
+            else np.arange(self.num_blocks)
+        )
+        runs = [tuple(order[i * per_request : (i + 1) * per_request].tolist()) for i in range(point.requests * sets)]
+        self.blocks = [runs[s * point.requests : (s + 1) * point.requests] for s in range(sets)]
 
     def close(self) -> None:
         self.scheduler.close()
@@ -233,7 +267,9 @@ def prompts(point: Point, seed: int) -> list[list[int]]:
     return [rng.integers(0, 128_000, n).tolist() for _ in range(point.requests)]
 
 
-def requests(pool: KVPool, tag: str, tokens: Sequence[Sequence[int]], params: Sequence[Mapping[str, Any] | None] | None = None) -> list[RequestInfo]:
+def requests(
+    pool: KVPool, tag: str, tokens: Sequence[Sequence[int]], params: Sequence[Mapping[str, Any] | None] | None = None
+) -> list[RequestInfo]:
     """RequestInfos for ``tokens`` (keys computed here, outside any timed region)."""
     bs, ns = pool.point.block_size, pool.info.namespace
     return [
@@ -243,14 +279,13 @@ def requests(pool: KVPool, tag: str, tokens: Sequence[Sequence[int]], params: Se
 
 
 # ---- the flows: plan outside the timer, move bytes inside it ------------------------------------
-def plan_save(pool: KVPool, reqs: Sequence[RequestInfo]) -> StepPlan:
+def plan_save(pool: KVPool, reqs: Sequence[RequestInfo], blocks: Sequence[tuple[int, ...]]) -> StepPlan:
     """Producer scheduler: every request's prompt computed in one step; the plan that saves it."""
     sched = pool.scheduler
-    for req, ids in zip(reqs, pool.request_blocks):
-        n = sched.lookup(req, 0).num_tokens
-        sched.on_allocated(req, ids, n)
+    for req, ids in zip(reqs, blocks):
+        sched.on_allocated(req, ids, sched.lookup(req, 0).num_tokens)
     return sched.plan_step(
-        [ScheduledRequest(r.request_id, ids, 0, r.num_prompt_tokens) for r, ids in zip(reqs, pool.request_blocks)]
+        [ScheduledRequest(r.request_id, ids, 0, r.num_prompt_tokens) for r, ids in zip(reqs, blocks)]
     )
 
 
@@ -264,19 +299,19 @@ def run_save(pool: KVPool, plan: StepPlan) -> None:
     w.finish_step()
 
 
-def end_save(pool: KVPool, reqs: Sequence[RequestInfo]) -> list[FinishDecision]:
+def end_save(pool: KVPool, reqs: Sequence[RequestInfo], blocks: Sequence[tuple[int, ...]]) -> list[FinishDecision]:
     """Producer: the step's report, then every request ends; what each consumer needs."""
     pool.scheduler.on_report(pool.worker.poll())
-    return [pool.scheduler.on_finished(r, ids) for r, ids in zip(reqs, pool.request_blocks)]
+    return [pool.scheduler.on_finished(r, ids) for r, ids in zip(reqs, blocks)]
 
 
-def plan_load(pool: KVPool, reqs: Sequence[RequestInfo]) -> StepPlan:
+def plan_load(pool: KVPool, reqs: Sequence[RequestInfo], blocks: Sequence[tuple[int, ...]]) -> StepPlan:
     """Consumer scheduler: lookup and allocation of every request; the plan that loads them.
 
     Raises ``RuntimeError`` when the backend cannot supply every full block (nothing to time).
     """
     sched = pool.scheduler
-    for req, ids in zip(reqs, pool.request_blocks):
+    for req, ids in zip(reqs, blocks):
         n = sched.lookup(req, 0).num_tokens
         want = pool.point.blocks_per_request * pool.point.block_size
         if n != want:
@@ -306,12 +341,15 @@ def run_load(pool: KVPool, plan: StepPlan, reqs: Sequence[RequestInfo], *, timeo
     return frozenset(failed)
 
 
-def end_load(pool: KVPool, reqs: Sequence[RequestInfo]) -> None:
-    for req, ids in zip(reqs, pool.request_blocks):
+def end_load(pool: KVPool, reqs: Sequence[RequestInfo], blocks: Sequence[tuple[int, ...]]) -> None:
+    """Consumer: every request ends."""
+    for req, ids in zip(reqs, blocks):
         pool.scheduler.on_finished(req, ids)
 
 
-def settle(pool: KVPool, reqs: Sequence[RequestInfo], decisions: Sequence[FinishDecision], *, timeout: float = 60.0) -> None:
+def settle(
+    pool: KVPool, reqs: Sequence[RequestInfo], decisions: Sequence[FinishDecision], *, timeout: float = 60.0
+) -> None:
     """Producer: idle steps until every held request is released (a peer's consumer pulled it)."""
     held = {r.request_id for r, d in zip(reqs, decisions) if d.delay_free}
     deadline = time.perf_counter() + timeout
@@ -327,10 +365,12 @@ def settle(pool: KVPool, reqs: Sequence[RequestInfo], decisions: Sequence[Finish
             time.sleep(0.0005)
 
 
-def same_blocks(src: KVPool, dst: KVPool) -> bool:
+def same_blocks(
+    src: KVPool, a_blocks: Sequence[tuple[int, ...]], dst: KVPool, b_blocks: Sequence[tuple[int, ...]]
+) -> bool:
     """Did every full block of every request arrive bit-exact? (checked once per point, untimed)."""
     n = src.point.blocks_per_request
-    for a, b in zip(src.request_blocks, dst.request_blocks):
+    for a, b in zip(a_blocks, b_blocks):
         if not torch.equal(src.layout.gather(a[:n]), dst.layout.gather(b[:n])):
             return False
     return True

@@ -1,0 +1,440 @@
+"""Benchmark cases per backend and operation, each measured beside its baselines in the same run.
+
+Every backend in :func:`kvbridge.registry.available` is measured; nothing here names the ones that
+exist today except to choose their baselines. A backend is built from its module's
+``conformance_target(tmp_path)`` hook (the same producer/consumer pair the conformance suite
+uses: temp dirs, its own servers), unless its :data:`BENCH` entry brings a ``target`` builder.
+
+Operations: ``save`` and ``load`` for stores, ``transfer`` for peers (the consumer's pull), and
+``sched_step`` for both — scheduler-side ``lookup`` + ``on_allocated`` + ``plan_step`` per request.
+
+To add a backend's baselines, add one :data:`BENCH` entry; to add a third-party system to compare
+against (LMCache's own engine, NIXL, Mooncake), give its :data:`EXTERNAL` entry a ``run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvbridge import registry
+from kvbridge.bench.baselines import BASELINES, Unavailable
+from kvbridge.bench.core import (
+    SHAPES,
+    KVPool,
+    Point,
+    Record,
+    Timing,
+    end_load,
+    end_save,
+    make_record,
+    plan_load,
+    plan_save,
+    prompts,
+    requests,
+    run_load,
+    run_save,
+    same_blocks,
+    settle,
+    time_reps,
+)
+from kvbridge.contract import BlockLoad, RequestInfo
+from kvbridge.testing.engine import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendBench:
+    """How to benchmark one backend: its baselines (one record each) and, optionally, how to build it."""
+
+    baselines: tuple[str, ...] = ("memcpy",)
+    target: Callable[[Path, Point], Target] | None = None  # default: the module's conformance_target(tmp_path)
+
+
+def _cpu(tmp: Path, point: Point) -> Target:
+    # room for the saves of one point and the set loaded back; LRU evicts the older ones
+    return Target(registry.create("cpu", {"capacity_bytes": 3 * point.nbytes + (64 << 20)}))
+
+
+BENCH: dict[str, BackendBench] = {
+    "memory": BackendBench(("memcpy",)),
+    "cpu": BackendBench(("memcpy",), _cpu),
+    "chain": BackendBench(("memcpy",)),
+    "fs": BackendBench(("file",)),
+    "ucx": BackendBench(("ucxx", "tcp")),
+}
+DEFAULT_BENCH = BackendBench()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExternalPeer:
+    """A third-party transfer system to compare against: the package to import, and a case once written.
+
+    ``run(point, reps)`` moves ``point.nbytes`` with that system's own API and returns the :class:`Timing`.
+    """
+
+    package: str
+    run: Callable[[Point, int], Timing] | None = None
+    baselines: tuple[str, ...] = ("tcp",)
+
+
+EXTERNAL: dict[str, ExternalPeer] = {
+    "lmcache-native": ExternalPeer("lmcache"),
+    "nixl": ExternalPeer("nixl"),
+    "mooncake": ExternalPeer("mooncake"),
+}
+
+STORE_OPS = ("save", "load", "sched_step")
+PEER_OPS = ("transfer", "sched_step")
+SCHED_REQUESTS = 16  # requests per scheduler step in sched_step
+
+
+def bench_names() -> list[str]:
+    """Every backend name to measure by default: the registry's, then the external peers."""
+    return [*registry.available(), *EXTERNAL]
+
+
+def _not_measured(name: str, op: str, point: Point, baselines: Sequence[str], why: str) -> list[Record]:
+    return [make_record(name, op, point, None, b, None, note=f"not measured: {why}") for b in baselines]
+
+
+def _medium_env(target: Target, tmp: Path) -> dict[str, Any]:
+    """What a baseline must match: the backend's directory (a path option that exists) and fsync setting."""
+    env: dict[str, Any] = {"dir": str(tmp), "fsync": False}
+    options = getattr(target.producer, "options", None)
+    if dataclasses.is_dataclass(options):
+        for f in dataclasses.fields(options):
+            value = getattr(options, f.name)
+            if isinstance(value, bool) and "fsync" in f.name:
+                env["fsync"] = value
+            elif isinstance(value, (str, Path)) and str(value) and os.path.isdir(value):
+                env["dir"] = str(value)
+    return env
+
+
+@dataclasses.dataclass
+class _Target:
+    name: str
+    target: Target
+    tmp: Path
+
+    @property
+    def kind(self) -> str:
+        return self.target.producer.kind
+
+
+def _open(name: str, tmp: Path, point: Point) -> Target:
+    spec = BENCH.get(name, DEFAULT_BENCH)
+    if spec.target is not None:
+        return spec.target(tmp, point)
+    module = importlib.import_module(registry.available()[name].target.partition(":")[0])
+    hook = getattr(module, "conformance_target", None)
+    if hook is None:
+        raise Unavailable(f"backend {name!r} has no conformance_target(tmp_path) hook")
+    target: Target = hook(tmp)
+    return target
+
+
+class _Pair:
+    """Producer and consumer pools of one point; one pool with two block sets when the target serves one engine."""
+
+    def __init__(self, target: Target, point: Point):
+        self.point = point
+        if target.consumer is None:
+            self.prod = self.cons = KVPool(target.producer, point, role="both", engine_id="solo", sets=2)
+            self.pblocks, self.cblocks = self.prod.blocks
+        else:
+            self.prod = KVPool(target.producer, point, role="producer", engine_id="producer", seed=1)
+            self.cons = KVPool(target.consumer, point, role="consumer", engine_id="consumer", seed=2, fill=False)
+            self.pblocks, self.cblocks = self.prod.blocks[0], self.cons.blocks[0]
+
+    def save_plan(self, tag: str, seed: int) -> tuple[list[RequestInfo], Any]:
+        reqs = requests(self.prod, tag, prompts(self.point, seed))
+        return reqs, plan_save(self.prod, reqs, self.pblocks)
+
+    def produce(self, tag: str, seed: int) -> tuple[list[RequestInfo], list[Any], list[Mapping[str, Any] | None]]:
+        reqs, plan = self.save_plan(tag, seed)
+        run_save(self.prod, plan)
+        decisions = end_save(self.prod, reqs, self.pblocks)
+        return reqs, decisions, [d.transfer_params for d in decisions]
+
+    def close(self) -> None:
+        self.prod.close()
+        if self.cons is not self.prod:
+            self.cons.close()
+
+
+def _check_failed(failed: frozenset[int]) -> None:
+    if failed:
+        raise Unavailable(f"{len(failed)} blocks failed to load")
+
+
+def _time_save(pair: _Pair, reps: int) -> Timing:
+    def plan(i: int) -> tuple[list[RequestInfo], Any]:
+        reqs, plan = pair.save_plan(f"save{i}", 1000 + i)
+        saved = sum(len(s.block_ids) for s in plan.saves)
+        if saved != pair.point.blocks:
+            raise Unavailable(f"the plan saves {saved} of {pair.point.blocks} blocks (store too small?)")
+        return reqs, plan
+
+    return time_reps(
+        lambda s: run_save(pair.prod, s[1]),
+        reps,
+        setup=plan,
+        teardown=lambda s: end_save(pair.prod, s[0], pair.pblocks),
+    )
+
+
+def _time_load(pair: _Pair, reps: int, *, peer: bool, timed: str) -> Timing:
+    """The consumer's side: ``timed="load"`` times the pull, ``timed="plan"`` the scheduler's part.
+
+    Stores are saved to once (and loaded from ``reps + 1`` times); a peer's producer produces for
+    every pull and is settled (released) after it.
+    """
+    cons, prod = pair.cons, pair.prod
+    fixed = None if peer else pair.produce("fixed", 7)
+    checked = False
+
+    def produce(i: int) -> tuple[list[RequestInfo], list[Any], list[Mapping[str, Any] | None]]:
+        return pair.produce(f"p{i}", 2000 + i) if fixed is None else fixed
+
+    def plan(i: int) -> dict[str, Any]:
+        preqs, decisions, params = produce(i)
+        creqs = requests(cons, f"c{i}", [r.prompt_token_ids for r in preqs], params)
+        return {
+            "preqs": preqs,
+            "dec": decisions,
+            "creqs": creqs,
+            "plan": None if timed == "plan" else plan_load(cons, creqs, pair.cblocks),
+        }
+
+    def finish(s: dict[str, Any], *, loaded: bool) -> None:
+        nonlocal checked
+        if not loaded:
+            _check_failed(run_load(cons, s["plan"], s["creqs"]))
+        if not checked:
+            if not same_blocks(prod, pair.pblocks, cons, pair.cblocks):
+                raise Unavailable("loaded blocks differ from the saved ones")
+            checked = True
+        end_load(cons, s["creqs"], pair.cblocks)
+        if peer:
+            settle(prod, s["preqs"], s["dec"])
+
+    if timed == "plan":
+
+        def timed_plan(s: dict[str, Any]) -> None:
+            s["plan"] = plan_load(cons, s["creqs"], pair.cblocks)
+
+        return time_reps(timed_plan, reps, setup=plan, teardown=lambda s: finish(s, loaded=False))
+    return time_reps(
+        lambda s: _check_failed(run_load(cons, s["plan"], s["creqs"])),
+        reps,
+        setup=plan,
+        teardown=lambda s: finish(s, loaded=True),
+    )
+
+
+def _sched_floor(point: Point, reps: int) -> Timing:
+    """What any Python scheduler pays: a C-level set intersection of each request's keys with the index
+    and one BlockLoad per request (``dict`` baseline of ``sched_step``)."""
+    keys = [tuple(os.urandom(32) for _ in range(point.blocks_per_request)) for _ in range(point.requests)]
+    index = {k: None for ks in keys for k in ks}
+    ids = tuple(range(point.blocks_per_request))
+
+    def step(_: object) -> None:
+        for i, ks in enumerate(keys):
+            _ = len(index.keys() & ks)
+            BlockLoad(f"r{i}", ids, ks)
+
+    return time_reps(step, reps)
+
+
+@dataclasses.dataclass
+class Progress:
+    """A callback per case: ``(done, total, label)``."""
+
+    total: int
+    report: Callable[[int, int, str], None] = lambda done, total, label: None
+    done: int = 0
+
+    def step(self, label: str) -> None:
+        self.report(self.done, self.total, label)
+        self.done += 1
+
+
+@contextlib.contextmanager
+def _opened(name: str, point: Point) -> Iterator[tuple[Target, Path]]:
+    tmp = Path(tempfile.mkdtemp(prefix=f"kvbridge-bench-{name}-"))
+    target = None
+    try:
+        target = _open(name, tmp, point)
+        yield target, tmp
+    finally:
+        if target is not None and target.cleanup is not None:
+            target.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sched_points(points: Sequence[Point]) -> list[Point]:
+    """The ``sched_step`` points: one per (tokens, block size), :data:`SCHED_REQUESTS` requests, tiny KV."""
+    seen = dict.fromkeys((p.tokens, p.block_size) for p in points)
+    return [Point(SHAPES["tiny"], tokens, bs, "scattered", SCHED_REQUESTS) for tokens, bs in seen]
+
+
+def _planned(name: str, points: Sequence[Point]) -> int:
+    return 1 if name in EXTERNAL else 2 * len(points) + len(sched_points(points))
+
+
+def count_cases(names: Sequence[str], points: Sequence[Point]) -> int:
+    """How many cases :meth:`Measurer.measure` runs for ``names`` (for the progress bar; an upper bound)."""
+    return sum(_planned(n, points) for n in names)
+
+
+class Measurer:
+    """Runs the cases of each backend; baselines are measured once per size, op and medium in this run."""
+
+    def __init__(self, reps: int, progress: Progress | None = None):
+        self.reps = reps
+        self.progress = progress or Progress(0)
+        self._base: dict[tuple[Any, ...], Timing | str] = {}
+
+    def baseline(self, name: str, point: Point, op: str, env: Mapping[str, Any]) -> Timing | str:
+        """The baseline's timing, or why it could not be measured."""
+        key = (name, point.nbytes, op, tuple(sorted(env.items())) if name == "file" else ())
+        if key not in self._base:
+            try:
+                self._base[key] = BASELINES[name](point.nbytes, op, env, self.reps)
+            except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not raised
+                self._base[key] = f"baseline {name} not measured: {exc}"
+        return self._base[key]
+
+    def _records(
+        self,
+        name: str,
+        op: str,
+        point: Point,
+        ours: Timing | None,
+        baselines: Sequence[str],
+        env: Mapping[str, Any],
+        note: str,
+    ) -> list[Record]:
+        out = []
+        for b in baselines:
+            base = self.baseline(b, point, op, env) if ours else None
+            out.append(
+                make_record(
+                    name,
+                    op,
+                    point,
+                    ours,
+                    b,
+                    base if isinstance(base, Timing) else None,
+                    note=note or (base if isinstance(base, str) else ""),
+                )
+            )
+        return out
+
+    def measure(self, name: str, points: Sequence[Point]) -> list[Record]:
+        """Every case of backend (or external peer) ``name`` at ``points``."""
+        end = self.progress.done + _planned(name, points)
+        try:
+            return self._measure(name, points)
+        finally:
+            self.progress.done = end
+
+    def _measure(self, name: str, points: Sequence[Point]) -> list[Record]:
+        if name in EXTERNAL:
+            return self._external(name, points)
+        spec = BENCH.get(name, DEFAULT_BENCH)
+        problem = registry.check(name)
+        if problem:
+            self.progress.step(f"{name}: not available")
+            return _not_measured(name, "-", points[0], spec.baselines, problem)
+        records: list[Record] = []
+        for point in points:
+            records += self._point(name, spec, point)
+        for point in sched_points(points):
+            self.progress.step(f"{name} sched_step {point.label()}")
+            records += self._sched(name, point)
+        return records
+
+    def _point(self, name: str, spec: BackendBench, point: Point) -> list[Record]:
+        records: list[Record] = []
+        try:
+            with _opened(name, point) as (target, tmp):
+                peer = target.producer.kind == "peer"
+                ops = ("transfer",) if peer else ("save", "load")
+                pair = _Pair(target, point)
+                env = _medium_env(target, tmp)
+                try:
+                    for op in ops:
+                        self.progress.step(f"{name} {op} {point.label()}")
+                        try:
+                            ours = (
+                                _time_save(pair, self.reps)
+                                if op == "save"
+                                else _time_load(pair, self.reps, peer=peer, timed="load")
+                            )
+                            note = ""
+                        except Exception as exc:  # noqa: BLE001 - one failing case is a row, not a crash
+                            ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
+                        records += self._records(name, op, point, ours, spec.baselines, env, note)
+                finally:
+                    pair.close()
+        except Exception as exc:  # noqa: BLE001 - the backend would not start
+            records += _not_measured(name, "-", point, spec.baselines, f"{type(exc).__name__}: {exc}")
+        return records
+
+    def _sched(self, name: str, point: Point) -> list[Record]:
+        try:
+            with _opened(name, point) as (target, _tmp):
+                pair = _Pair(target, point)
+                try:
+                    ours: Timing | None = _time_load(pair, self.reps, peer=target.producer.kind == "peer", timed="plan")
+                    note = ""
+                finally:
+                    pair.close()
+        except Exception as exc:  # noqa: BLE001
+            ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
+        base = _sched_floor(point, self.reps) if ours else None
+        return [
+            make_record(name, "sched_step", point, ours, "dict", base, note=note, per=point.requests, moves_bytes=False)
+        ]
+
+    def _external(self, name: str, points: Sequence[Point]) -> list[Record]:
+        peer = EXTERNAL[name]
+        self.progress.step(f"{name} (external)")
+        if importlib.util.find_spec(peer.package) is None:
+            return _not_measured(name, "transfer", points[0], peer.baselines, f"{peer.package} not installed")
+        if peer.run is None:
+            why = f"{peer.package} is installed but has no bench case yet (EXTERNAL[{name!r}].run in kvbridge/bench/cases.py)"
+            return _not_measured(name, "transfer", points[0], peer.baselines, why)
+        records: list[Record] = []
+        for point in points:
+            try:
+                ours, note = peer.run(point, self.reps), ""
+            except Exception as exc:  # noqa: BLE001
+                ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
+            records += self._records(name, "transfer", point, ours, peer.baselines, {}, note)
+        return records
+
+
+__all__ = [
+    "BENCH",
+    "DEFAULT_BENCH",
+    "EXTERNAL",
+    "BackendBench",
+    "ExternalPeer",
+    "Measurer",
+    "Progress",
+    "bench_names",
+    "count_cases",
+    "sched_points",
+]

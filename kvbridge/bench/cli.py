@@ -1,0 +1,125 @@
+"""``kvbridge bench``: measure the KV transfer cost of every available backend beside its baselines.
+
+With no matrix option it runs a default matrix (a few minutes on a 2-core laptop); ``--quick`` a
+small one (seconds). Any of ``--shapes/--tokens/--block-size/--ids/--requests`` switches to the
+cartesian product of the values given (defaults for the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+from kvbridge.bench.cases import Measurer, Progress, bench_names, count_cases
+from kvbridge.bench.core import SHAPES, Point, Record
+from kvbridge.bench.recompute import compare, measure_prefill
+from kvbridge.bench.report import ProgressBar, plot, recompute_table, table
+
+_8B, _70B = SHAPES["8b"], SHAPES["70b"]
+DEFAULT_MATRIX = (
+    Point(_8B, 64),
+    Point(_8B, 256),
+    Point(_8B, 1024),
+    Point(_8B, 1024, ids="contiguous"),
+    Point(_8B, 1024, block_size=128),
+    Point(_8B, 256, requests=4),
+    Point(_70B, 256),
+)
+QUICK_MATRIX = (Point(_8B, 64), Point(_8B, 256), Point(_8B, 64, requests=4))
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backends", type=_names, help="comma-separated (default: every known backend and peer)")
+    parser.add_argument("--shapes", type=_names, help=f"comma-separated of {sorted(s for s in SHAPES if s != 'tiny')}")
+    parser.add_argument("--tokens", type=_ints, help="tokens per request, comma-separated (e.g. 256,1024)")
+    parser.add_argument("--block-size", type=_ints, help="comma-separated, e.g. 16,32,128")
+    parser.add_argument("--ids", type=_names, help="block id pattern: contiguous, scattered (comma-separated)")
+    parser.add_argument("--requests", type=_ints, help="concurrent requests per step, comma-separated")
+    parser.add_argument("--reps", type=int, help="timed repetitions per case (default 3; --quick 2)")
+    parser.add_argument("--quick", action="store_true", help="a small matrix in seconds")
+    parser.add_argument("--prefill-tps", type=float, default=10_000.0,
+                        help="prefill throughput (tokens/s) of the real model, for transfer vs recompute (default 10000)")  # fmt: skip
+    parser.add_argument("--no-recompute", action="store_true", help="skip the transfer vs recompute section")
+    parser.add_argument("--json", metavar="PATH", help="write every record as a JSON list")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s vs transfer size (needs matplotlib)")
+
+
+def matrix(args: argparse.Namespace) -> list[Point]:
+    """The points to measure, from the options."""
+    picked = [args.shapes, args.tokens, args.block_size, args.ids, args.requests]
+    if not any(picked):
+        return list(QUICK_MATRIX if args.quick else DEFAULT_MATRIX)
+    unknown = [s for s in args.shapes or () if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"kvbridge bench: unknown shape(s) {unknown}; known: {sorted(SHAPES)}")
+    bad_ids = [i for i in args.ids or () if i not in ("contiguous", "scattered")]
+    if bad_ids:
+        raise SystemExit(f"kvbridge bench: --ids takes contiguous, scattered; got {bad_ids}")
+    return [
+        Point(SHAPES[s], t, b, i, r)
+        for s, t, b, i, r in itertools.product(
+            args.shapes or ["8b"], args.tokens or ([64, 256] if args.quick else [256, 1024]), args.block_size or [16],
+            args.ids or ["scattered"], args.requests or [1],
+        )
+    ]  # fmt: skip
+
+
+def measure(args: argparse.Namespace) -> list[Record]:
+    """Every record of the run: each backend's cases, then transfer vs recompute."""
+    names = args.backends or bench_names()
+    points = matrix(args)
+    reps = args.reps or (2 if args.quick else 3)
+    bar = ProgressBar()
+    progress = Progress(count_cases(names, points) + (0 if args.no_recompute else 1), bar)
+    measurer = Measurer(reps, progress)
+    records: list[Record] = []
+    try:
+        for name in names:
+            records += measurer.measure(name, points)
+        if not args.no_recompute:
+            progress.step("transfer vs recompute: tiny-llama prefill")
+            tiny = measure_prefill(256 if args.quick else 512, reps)
+            records += compare(records, args.prefill_tps, tiny, reps)
+    finally:
+        bar.close()
+    return records
+
+
+def run(args: argparse.Namespace) -> int:
+    records = measure(args)
+    shapes = ", ".join(f"{s.name} = {s.bytes_per_token >> 10} KiB/token" for s in SHAPES.values() if s.name != "tiny")
+    print(f"kvbridge bench ({shapes}; x time = ours/baseline in time: 1.00 = as fast as the raw medium)\n")
+    print(table(records))
+    rc = recompute_table(records)
+    if rc:
+        print("\ntransfer vs recompute (transfer = the backend's load; prefill at the given tokens/s)\n")
+        print(rc)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.as_dict() for r in records], f, indent=1)
+        print(f"\nwrote {len(records)} records to {args.json}")
+    if args.plot:
+        problem = plot(records, args.plot)
+        print(f"\n{problem}" if problem else f"\nwrote {args.plot}", file=sys.stderr if problem else sys.stdout)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run as ``python -m kvbridge.bench.cli``."""
+    parser = argparse.ArgumentParser(prog="kvbridge bench", description=__doc__)
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""Presenting records: a progress line on stderr, tables with every figure beside its baseline, a plot."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from kvbridge.bench.core import Record
+
+
+class ProgressBar:
+    """One stderr line rewritten in place (``\\r``); plain lines when stderr is not a terminal."""
+
+    def __init__(self, stream: TextIO | None = None, width: int = 24):
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.t0 = time.perf_counter()
+        self.tty = self.stream.isatty()
+        self._len = 0
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        frac = done / total if total else 1.0
+        bar = "#" * round(frac * self.width)
+        line = f"[{bar:<{self.width}}] {done + 1}/{total} {time.perf_counter() - self.t0:5.0f}s  {label}"
+        if self.tty:
+            self.stream.write("\r" + line[:110].ljust(self._len))
+            self._len = min(len(line), 110)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self._len:
+            self.stream.write("\r" + " " * self._len + "\r")
+            self.stream.flush()
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n} B"
+
+
+def _ours(r: Record) -> tuple[str, str]:
+    if r.op == "sched_step":
+        return f"{(r.median_s or 0) * 1e6:.1f} us/req", f"{(r.p99_s or 0) * 1e6:.1f} us"
+    return f"{r.gbps:.2f} GB/s", f"{(r.p99_s or 0) * 1e3:.1f} ms"
+
+
+def _base(r: Record) -> str:
+    if r.baseline_s is None:
+        return "-"
+    if r.op == "sched_step":
+        return f"{r.baseline_s * 1e6:.1f} us/req"
+    return f"{r.baseline_gbps:.2f} GB/s"
+
+
+def table(records: Sequence[Record]) -> str:
+    """The measurement table: ours beside the baseline, and ``x time`` = ours/baseline in time."""
+    head = ("backend", "op", "shape", "tokens", "bs", "ids", "req", "size", "ours", "p99", "baseline", "base", "x time")
+    rows: list[tuple[str, ...]] = []
+    notes: list[tuple[str, str]] = []
+    seen: set[tuple[str, str, str]] = set()
+    for r in records:
+        if r.op == "recompute":
+            continue
+        if not r.measured:
+            if (r.backend, r.op, r.note) not in seen:  # one row, whatever the number of baselines
+                seen.add((r.backend, r.op, r.note))
+                rows.append((r.backend, r.op, *("",) * 10, r.note))
+            continue
+        ours, p99 = _ours(r)
+        ratio = f"{r.ratio:.2f}" if r.ratio else "-"
+        size = "" if r.op == "sched_step" else _size(r.bytes)
+        rows.append((r.backend, r.op, r.shape, str(r.tokens), str(r.block_size), r.ids[:4], str(r.requests), size,
+                     ours, p99, r.baseline, _base(r), ratio))  # fmt: skip
+        if r.note:
+            notes.append((r.backend, r.note))
+    return _grid(head, rows) + "".join(f"\n  {b}: {n}" for b, n in notes)
+
+
+def recompute_table(records: Sequence[Record]) -> str:
+    """Transfer vs recompute: transfer time beside the prefill time of the same tokens, and the break-even."""
+    head = ("backend", "shape", "tokens", "transfer GB/s", "transfer ms", "prefill ms", "transfer/prefill", "")
+    rows = [
+        (r.backend, r.shape, str(r.tokens), f"{r.gbps:.2f}", f"{(r.median_s or 0) * 1e3:.1f}",
+         f"{(r.baseline_s or 0) * 1e3:.1f} ({r.baseline})", f"{r.ratio:.3f}", r.note)
+        for r in records if r.op == "recompute"
+    ]  # fmt: skip
+    return _grid(head, rows) if rows else ""
+
+
+def _grid(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    # a row whose third cell is empty is a "not measured" row: its last cell spans the line
+    full = [r for r in rows if len(r) < 3 or r[2]]
+    widths = [max([len(h)] + [len(r[i]) for r in (rows if i < 2 else full)]) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        if len(r) > 2 and not r[2]:
+            lines.append(f"{r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[-1]}")
+        else:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def plot(records: Sequence[Record], path: str) -> str | None:
+    """GB/s vs transfer size per backend and op, baselines dashed, to a PNG; why not, if it cannot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed; pip install 'kvbridge[bench]'"
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    series: dict[str, list[tuple[int, float]]] = {}
+    bases: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        if (
+            r.op in ("save", "load", "transfer")
+            and r.gbps
+            and r.requests == 1
+            and r.block_size == 16
+            and r.ids == "scattered"
+        ):
+            series.setdefault(f"{r.backend} {r.op}", []).append((r.bytes, r.gbps))
+            if r.baseline_gbps:
+                bases.setdefault(f"{r.baseline} ({r.op})", []).append((r.bytes, r.baseline_gbps))
+    for label, pts in series.items():
+        xs, ys = zip(*sorted(set(pts)))
+        ax.plot(xs, ys, marker="o", label=label)
+    for label, pts in bases.items():
+        xs, ys = zip(*sorted(set(pts)))
+        ax.plot(xs, ys, linestyle="--", color="grey", alpha=0.7, marker=".", label=f"baseline: {label}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes per transfer (block size 16, scattered ids, 1 request)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("kvbridge transfer cost beside its baselines (same run)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+__all__ = ["ProgressBar", "plot", "recompute_table", "table"]
