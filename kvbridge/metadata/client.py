@@ -60,6 +60,11 @@ class MetadataClient:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.enable_retries", 0),  # retries are ours, and only where they are safe
+            # after a failed connect the channel fails calls fast until it redials: redial on our backoff's
+            # scale, or every retry would land inside gRPC's default 1 s reconnect pause
+            ("grpc.initial_reconnect_backoff_ms", max(1, int(backoff_s * 1000))),
+            ("grpc.min_reconnect_backoff_ms", max(1, int(backoff_s * 1000))),
+            ("grpc.max_reconnect_backoff_ms", max(1, int(max_backoff_s * 1000))),
         ]
         if tls is None:
             self._channel = grpc.insecure_channel(address, options=options)

@@ -134,8 +134,8 @@ def peer_from_pb(msg: pb.PeerInfo) -> PeerInfo:
         raise Invalid(f"{len(msg.transport)} transport entries; at most {MAX_TRANSPORT_ENTRIES}")
     try:
         fingerprint = LayoutFingerprint.from_json(msg.layout_fingerprint)
-    except LayoutMismatch as exc:  # from_json's word for "unreadable"
-        raise Invalid(str(exc)) from None
+    except (ValueError, TypeError, RecursionError) as exc:  # LayoutMismatch is from_json's "unreadable"
+        raise Invalid(f"layout_fingerprint: {exc}") from None
     return PeerInfo(
         engine_id=msg.engine_id,
         rank=msg.rank,
