@@ -4,7 +4,7 @@ Three child processes serve the whole module (each pays one import of torch, so 
 a standalone ``kvbridge metadata-server`` (directory, health, reflection), a second one that the
 SIGTERM test stops, and a *peer*: a Python process that runs :class:`MetadataClient` calls sent to it
 as JSON lines and answers with results or kvbridge exception names. Embedded servers run in this
-process, so their callbacks can be observed. Security (token, TLS) is in test_metadata_security.py.
+process, so their callbacks can be observed; the security tests (token, TLS) share the peer process.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -73,7 +75,7 @@ def encode(v):
 print("ready", flush=True)
 for line in sys.stdin:
     cmd = json.loads(line, object_hook=decode)
-    tls = ClientTLS(**cmd["tls"]) if cmd["tls"] else None
+    tls = None if cmd["tls"] is None else ClientTLS(**cmd["tls"])
     try:
         with MetadataClient(cmd["address"], token=cmd["token"], tls=tls, timeout=cmd["timeout"],
                             retries=cmd["retries"]) as client:
@@ -504,3 +506,65 @@ def test_wire_maps_status_codes() -> None:
     assert wire.status_of(KeyError("x"))[0] == grpc.StatusCode.INTERNAL
     with pytest.raises(errors.ProtocolError, match="protocol_version differs"):
         wire.check_compatible(PRODUCER, dataclasses.replace(CONSUMER, protocol_version=7))
+
+
+# ---- security: shared token, TLS, mutual TLS -------------------------------------------------------
+
+def test_token_is_checked_on_every_call_but_health(serve: Callable[..., MetadataServer], peer: Peer) -> None:
+    released: list[Any] = []
+    server = serve(token="s3cret", on_handshake=lambda p: PRODUCER, on_release=lambda *a: released.append(a))
+    for token in (None, "wrong", "s3cret-but-longer", "S3CRET"):
+        for method, args in (("handshake", (CONSUMER,)), ("release", ("decode-0", "r1")), ("lookup", ([b"h"],))):
+            with pytest.raises(errors.Unauthorized, match="UNAUTHENTICATED"):
+                peer.call(server.address, method, *args, token=token)
+    assert not released
+    assert peer.call(server.address, "health")  # open: load balancers probe it without the token
+    assert peer.call(server.address, "handshake", CONSUMER, token="s3cret") == PRODUCER
+    peer.call(server.address, "release", "decode-0", "r1", token="s3cret")
+    assert released == [("decode-0", "r1", False)]
+    with grpc.insecure_channel(server.address) as channel:  # reflection too is behind the token
+        stream = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream(iter([b""]), timeout=5))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Three self-signed certificates for 127.0.0.1: the server's, a client's, and a stranger's."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    d = tmp_path_factory.mktemp("certs")
+    out = {}
+    for name in ("server", "client", "stranger"):
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.crt"), "-days", "2", "-subj", "/CN=localhost",
+             "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+            check=True, capture_output=True,
+        )
+        out[name], out[f"{name}_key"] = str(d / f"{name}.crt"), str(d / f"{name}.key")
+    return out
+
+
+def test_tls_client_must_trust_the_server(serve: Callable[..., MetadataServer], peer: Peer, certs: dict[str, str]) -> None:
+    server = serve(tls=wire.ServerTLS(certs["server"], certs["server_key"]), on_handshake=lambda p: PRODUCER)
+    assert peer.call(server.address, "handshake", CONSUMER, tls={"ca": certs["server"]}) == PRODUCER
+    for tls in ({"ca": certs["stranger"]}, {}):  # a CA that did not sign it; the system's roots
+        with pytest.raises(errors.Unauthorized, match="CERTIFICATE_VERIFY_FAILED"):
+            peer.call(server.address, "handshake", CONSUMER, tls=tls)
+    with pytest.raises(errors.PeerUnreachable):  # plaintext to a TLS port: the server hangs up
+        peer.call(server.address, "lookup", [b"h"])
+
+
+def test_mutual_tls_and_token(serve: Callable[..., MetadataServer], peer: Peer, certs: dict[str, str]) -> None:
+    tls = wire.ServerTLS(Path(certs["server"]).read_bytes(), Path(certs["server_key"]).read_bytes(), certs["client"])
+    server = serve(tls=tls, token="t0k")
+    ok = {"ca": certs["server"], "cert": certs["client"], "key": certs["client_key"]}
+    assert peer.call(server.address, "lookup", [b"h"], tls=ok, token="t0k") == []
+    with pytest.raises(errors.Unauthorized):
+        peer.call(server.address, "lookup", [b"h"], tls=ok)  # the right certificate does not replace the token
+    # a refused client certificate ends the connection without a word: it reads as an unreachable peer
+    for bad in ({"ca": certs["server"]}, {**ok, "cert": certs["stranger"], "key": certs["stranger_key"]}):
+        with pytest.raises((errors.PeerUnreachable, errors.Unauthorized)):
+            peer.call(server.address, "lookup", [b"h"], tls=bad, token="t0k")
