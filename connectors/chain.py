@@ -9,8 +9,9 @@ Semantics:
 
 - **Lookup**: the longest prefix of blocks each held by *some* tier (blocks 0-3 in ``cpu`` and 4-7
   only in ``fs`` make a prefix of 8).
-- **Loads**: every block comes from the first (fastest) tier that holds it; the plan carries, per
-  tier, the positions it serves and that tier's own reservation (``BlockLoad.source`` =
+- **Loads**: every block comes from the first (fastest) tier that holds it; should that tier fail,
+  from the next one holding it. Every tier holding a block reserves it, so the plan carries, per
+  tier, the positions it holds and that tier's own reservation (``BlockLoad.source`` =
   ``{"tiers": ((tier, positions, source), ...), "promote": ((tier, positions, target), ...)}``).
 - **Promotion** (``promote``, default on): a block served by a slower tier is saved into every
   faster tier from the KV right after the load, on the load thread. That is safe: the blocks belong
@@ -127,23 +128,23 @@ class ChainStore(BlockStore):
         return out
 
     def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> Mapping[str, Any]:
-        remaining = list(range(len(keys)))
-        loads = []
-        for t, tier in enumerate(self.tiers):  # fastest first: each block from the first tier holding it
-            if not remaining:
-                break
-            mine = self._members(t, keys, remaining)
+        everything = list(range(len(keys)))
+        loads, first = [], dict[int, int]()  # first: position -> the fastest tier that reserved it
+        for t, tier in enumerate(self.tiers):
+            # every tier holding a block reserves it: the fastest serves it, the others stand by in
+            # case it fails (pins in a slower tier last only as long as this load)
+            mine = self._members(t, keys, everything)
             if not mine:
                 continue
             source = self._call(t, "reserve_load", tier.reserve_load, request_id, [keys[i] for i in mine])
             if source is _FAILED:
-                continue  # its blocks may still be found in a slower tier
+                continue
             loads.append((t, tuple(mine), source))
-            taken = set(mine)
-            remaining = [i for i in remaining if i not in taken]
+            for i in mine:
+                first.setdefault(i, t)
         promote = []
         for f, tier in enumerate(self.tiers if self.promote else ()):
-            slower = sorted(i for t, positions, _ in loads if t > f for i in positions)
+            slower = sorted(i for i, t in first.items() if t > f)
             if not slower:
                 continue
             reserved = self._call(f, "reserve_save", tier.reserve_save, request_id, [keys[i] for i in slower])
@@ -172,26 +173,26 @@ class ChainStore(BlockStore):
     # -- worker side ------------------------------------------------------------------------------
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         source = op.source or {}
-        failed: set[int] = set()
-        covered: set[int] = set()
+        need = set(range(len(op.block_ids)))  # positions not yet in the KV
         slot_bytes = layout.num_layers * layout.block_bytes
         for t, positions, tier_source in source.get("tiers", ()):
-            covered.update(positions)
+            todo = [i for i in positions if i in need]
+            if not todo:
+                continue
+            if len(todo) < len(positions) and tier_source is not None:
+                todo = list(positions)  # the tier's reservation covers its whole share: load all of it again
             sub = BlockLoad(
-                op.request_id,
-                tuple(op.block_ids[i] for i in positions),
-                tuple(op.keys[i] for i in positions),
-                tier_source,
+                op.request_id, tuple(op.block_ids[i] for i in todo), tuple(op.keys[i] for i in todo), tier_source
             )
             bad = self._call(t, "load", self.tiers[t].load, sub, layout)
             bad = set(sub.block_ids) if bad is _FAILED else set(bad)
-            ok = len(sub.block_ids) - len(bad)
-            self.tiers[t].stats.add(loads=1, load_blocks=ok, load_bytes=ok * slot_bytes, failed_blocks=len(bad))
-            failed |= bad
-        failed.update(b for i, b in enumerate(op.block_ids) if i not in covered)  # in no tier any more
+            arrived = [i for i in todo if op.block_ids[i] not in bad]
+            need.difference_update(arrived)
+            self.tiers[t].stats.add(
+                loads=1, load_blocks=len(arrived), load_bytes=len(arrived) * slot_bytes, failed_blocks=len(bad)
+            )
         for f, positions, target in source.get("promote", ()):
-            ids = [op.block_ids[i] for i in positions]
-            keep = [i for i, b in zip(positions, ids) if b not in failed]
+            keep = [i for i in positions if i not in need]
             if len(keep) < len(positions) and target is not None:
                 continue  # the tier placed every block itself: all or nothing
             sub_save = BlockSave(
@@ -201,7 +202,7 @@ class ChainStore(BlockStore):
                 n = len(sub_save.block_ids)
                 self.stats.add(promoted_blocks=n)
                 self.tiers[f].stats.add(saves=1, save_blocks=n, save_bytes=n * slot_bytes)
-        return [b for b in op.block_ids if b in failed]
+        return [b for i, b in enumerate(op.block_ids) if i in need]
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         plan = (op.target or {}).get("tiers", ())

@@ -1,0 +1,260 @@
+"""The ``chain`` backend: tiers built from the registry, longest prefix across tiers, fastest-tier loads,
+promotion, write-through, and degradation when a tier fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import shutil
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from kvbridge.connectors import memory
+from kvbridge.connectors.chain import ChainBackend, ChainOptions, ChainStore
+from kvbridge.connectors.memory import MemoryBackend, MemoryOptions
+
+from kvbridge import registry
+from kvbridge.contract import Backend, BlockLoad, BlockSave, EngineInfo
+from kvbridge.errors import ConfigError, UnknownBackend
+from kvbridge.layout import KVLayout
+from kvbridge.store import BlockStore, StoreBackend
+from kvbridge.testing import MiniEngine
+
+CPU = {"backend": "cpu", "capacity_bytes": 4 << 20}
+_names = itertools.count()
+
+
+@pytest.fixture
+def mem() -> Iterator[str]:
+    """A fresh shared ``memory`` store name, forgotten afterwards."""
+    name = f"chain-test-{next(_names)}"
+    yield name
+    memory.clear(name)
+
+
+def tokens(n_blocks: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 32000, n_blocks * 16 + 5).tolist()
+
+
+def chain(*tiers: dict[str, Any], **options: Any) -> ChainBackend:
+    backend = registry.create("chain", {"tiers": list(tiers), **options})
+    assert isinstance(backend, ChainBackend)
+    return backend
+
+
+def stores(e: MiniEngine) -> tuple[ChainStore, ChainStore]:
+    return e.scheduler.store, e.worker.store  # type: ignore[attr-defined,return-value]
+
+
+def fill(name: str, prompt: list[int]) -> list[bytes]:
+    """Save ``prompt``'s blocks into memory store ``name`` from a separate engine (same geometry)."""
+    e = MiniEngine(MemoryBackend(MemoryOptions(name)), engine_id="filler")
+    try:
+        return e.prefill("fill", prompt).keys
+    finally:
+        e.close()
+
+
+def forget(name: str, keys: Sequence[bytes]) -> None:
+    for key in keys:
+        memory._SHARED[name].pop(("mini", 0, key))
+
+
+# ---- construction -------------------------------------------------------------------------------
+def test_unknown_tier_fails_at_construction():
+    with pytest.raises(UnknownBackend, match="nosuch"):
+        chain(CPU, {"backend": "nosuch"})
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"tiers": []}, "at least one"),
+        ({"tiers": [{"capacity_bytes": 1}]}, "'backend'"),
+        ({"tiers": [{"backend": "cpu"}]}, "tier 0.*capacity_bytes"),
+        ({"tiers": [CPU], "write_back": True}, "not implemented"),
+        ({"tiers": [CPU], "promot": False}, "promot"),
+    ],
+)
+def test_bad_options(options, match):
+    with pytest.raises(ConfigError, match=match):
+        registry.create("chain", options)
+
+
+def test_a_peer_tier_is_refused(monkeypatch):
+    class Peer(Backend):
+        name, kind, options_type = "peerish", "peer", dict
+
+        def scheduler(self, engine):  # pragma: no cover - never reached
+            raise AssertionError
+
+        worker = scheduler
+
+    real = registry.create
+    monkeypatch.setattr(registry, "create", lambda n, o=None: Peer(o) if n == "peerish" else real(n, o))
+    with pytest.raises(ConfigError, match="must be a store"):
+        ChainBackend(ChainOptions(({"backend": "peerish"},)))
+
+
+# ---- lookup and loads ----------------------------------------------------------------------------
+def test_longest_prefix_across_tiers(mem):
+    """Blocks 0-3 only in the first tier, 4-7 only in the second: a prefix of 8."""
+    first, second = mem + "-a", mem + "-b"
+    prompt = tokens(8, seed=1)
+    keys = fill(first, prompt)
+    forget(first, keys[4:])
+    fill(second, prompt)
+    forget(second, keys[:4])
+    e = MiniEngine(chain({"backend": "memory", "name": first}, {"backend": "memory", "name": second}))
+    try:
+        got = e.prefill("r", prompt)
+        assert got.loaded_tokens == 8 * 16 and got.failed_blocks == []
+        assert torch.equal(got.snapshot[:, :8], e.expected(keys))
+        _, worker = stores(e)
+        assert [t.stats.load_blocks for t in worker.tiers] == [4, 4]
+    finally:
+        e.close()
+        memory.clear(first)
+        memory.clear(second)
+
+
+def test_write_through_then_loads_from_the_fastest_tier(mem):
+    e = MiniEngine(chain(CPU, {"backend": "memory", "name": mem}))
+    try:
+        prompt = tokens(4, seed=2)
+        sent = e.prefill("a", prompt)
+        sched, worker = stores(e)
+        assert [t.contains_prefix(sent.keys) for t in sched.tiers] == [4, 4]  # both tiers got every block
+        assert [t.stats.save_blocks for t in worker.tiers] == [4, 4]
+        got = e.prefill("b", prompt)
+        assert got.loaded_tokens == 4 * 16
+        assert torch.equal(got.snapshot[:, :4], sent.snapshot[:, :4])
+        assert [t.stats.load_blocks for t in worker.tiers] == [4, 0]  # all from cpu, none from memory
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("promote", [True, False])
+def test_a_hit_in_a_slower_tier_is_promoted(mem, promote):
+    prompt = tokens(5, seed=3)
+    keys = fill(mem, prompt)
+    e = MiniEngine(chain(CPU, {"backend": "memory", "name": mem}, promote=promote))
+    try:
+        sched, worker = stores(e)
+        got = e.prefill("a", prompt)
+        assert got.loaded_tokens == 5 * 16
+        assert torch.equal(got.snapshot[:, :5], e.expected(keys))
+        assert [t.stats.load_blocks for t in worker.tiers] == [0, 5]
+        assert sched.tiers[0].contains_prefix(keys) == (5 if promote else 0)
+        assert worker.stats.promoted_blocks == (5 if promote else 0)
+        again = e.prefill("b", prompt)
+        assert torch.equal(again.snapshot[:, :5], e.expected(keys))
+        assert [t.stats.load_blocks for t in worker.tiers] == ([5, 5] if promote else [0, 10])
+    finally:
+        e.close()
+
+
+# ---- degradation ---------------------------------------------------------------------------------
+class FaultyStore(BlockStore):
+    """A memory store with faults injected on purpose: each method in ``faults`` raises."""
+
+    def __init__(self, engine: EngineInfo, name: str, faults: set[str]):
+        super().__init__(engine)
+        self.inner = MemoryBackend(MemoryOptions(name)).open_store(engine, "any")
+        self.faults = faults
+
+    def _maybe_fail(self, what: str) -> None:
+        if what in self.faults:
+            raise OSError(f"injected fault in {what}")
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        self._maybe_fail("contains_prefix")
+        return self.inner.contains_prefix(keys)
+
+    def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
+        self._maybe_fail("load")
+        return self.inner.load(op, layout)
+
+    def save(self, op: BlockSave, layout: KVLayout) -> None:
+        self._maybe_fail("save")
+        self.inner.save(op, layout)
+
+
+class FaultyBackend(StoreBackend):
+    name, options_type = "faulty", dict
+
+    def __init__(self, name: str):
+        super().__init__({})
+        self.store_name = name
+        self.faults: set[str] = set()  # shared by every store it opens: flip faults mid-run
+
+    def open_store(self, engine: EngineInfo, side: str) -> FaultyStore:
+        return FaultyStore(engine, self.store_name, self.faults)
+
+
+def faulty_chain(mem: str) -> tuple[ChainBackend, FaultyBackend]:
+    backend = chain({"backend": "memory", "name": mem})
+    faulty = FaultyBackend(mem + "-faulty")
+    backend.tiers.insert(0, faulty)  # the fastest tier is the one that will break
+    return backend, faulty
+
+
+@pytest.mark.parametrize("fault", ["contains_prefix", "load", "save"])
+def test_a_failing_tier_degrades_to_the_others(mem, fault):
+    backend, faulty = faulty_chain(mem)
+    e = MiniEngine(backend)
+    try:
+        prompt = tokens(4, seed=4)
+        if fault == "save":
+            faulty.faults.add(fault)
+        sent = e.prefill("a", prompt)  # write-through; with a failing save only the memory tier has them
+        faulty.faults.add(fault)
+        got = e.prefill("b", prompt)
+        assert got.loaded_tokens == 4 * 16 and got.failed_blocks == []
+        assert torch.equal(got.snapshot[:, :4], sent.snapshot[:, :4])
+        sched, worker = stores(e)
+        assert sched.stats.tier_failures + worker.stats.tier_failures > 0
+        assert worker.tiers[1].stats.load_blocks == 4  # served by the healthy tier
+        assert worker.stats.save_failures == 0 and worker.stats.load_failures == 0
+    finally:
+        e.close()
+        memory.clear(mem + "-faulty")
+
+
+def test_every_tier_failing_is_a_miss_or_failed_blocks_never_an_error(mem):
+    backend, faulty = faulty_chain(mem)
+    e = MiniEngine(backend)
+    try:
+        prompt = tokens(3, seed=5)
+        e.prefill("a", prompt)
+        faulty.faults.add("load")
+        memory._SHARED[mem].clear()  # the only other tier lost everything
+        got = e.prefill("b", prompt)  # the faulty tier still claims the blocks, then fails to load them
+        assert got.loaded_blocks == [] and len(got.failed_blocks) == 3
+        assert torch.equal(got.snapshot[:, :3], e.expected(got.keys[:3]))  # recomputed, not garbage
+    finally:
+        e.close()
+        memory.clear(mem + "-faulty")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvbridge.connectors.fs") is None, reason="fs backend not present")
+def test_fs_directory_removed_mid_run(mem, tmp_path):
+    root = tmp_path / "fs"
+    e = MiniEngine(chain({"backend": "fs", "path": str(root)}, {"backend": "memory", "name": mem}))
+    try:
+        prompt = tokens(4, seed=6)
+        sent = e.prefill("a", prompt)
+        _, worker = stores(e)
+        assert worker.tiers[0].stats.save_blocks == 4
+        shutil.rmtree(root)
+        got = e.prefill("b", prompt)
+        assert got.loaded_tokens == 4 * 16 and got.failed_blocks == []
+        assert torch.equal(got.snapshot[:, :4], sent.snapshot[:, :4])
+        assert worker.tiers[1].stats.load_blocks == 4
+        later = e.prefill("c", tokens(2, seed=7))  # saves while the directory is gone: not an error
+        assert later.failed_blocks == []
+    finally:
+        e.close()
