@@ -276,3 +276,21 @@ def test_directory_removed_mid_run(tmp_path):
     finally:
         producer.close()
         consumer.close()
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "crc32c"])
+def test_checksum_kinds_round_trip_and_catch_a_flip(tmp_path, checksum):
+    if checksum == "crc32c":
+        pytest.importorskip("google_crc32c", reason="checksum='crc32c' needs google-crc32c")
+    producer, consumer = _pair(tmp_path, checksum=checksum, fsync=True)
+    try:
+        tokens = _tokens(3 * 16 + 1, seed=9)
+        sent = producer.prefill("a", tokens)
+        assert torch.equal(consumer.prefill("b", tokens).snapshot, sent.snapshot)
+        _bit_flip(Path(_store(producer).path_of(sent.keys[0])))
+        got = consumer.prefill("c", tokens)
+        assert got.loaded_blocks == [] and len(got.failed_blocks) == 3
+        assert torch.equal(got.snapshot[:, :3], consumer.expected(got.keys)) and _store(consumer).stats.corrupt == 1
+    finally:
+        producer.close()
+        consumer.close()
