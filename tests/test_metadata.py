@@ -139,8 +139,8 @@ class Peer:
         return out["ok"]
 
 
-def _spawn(*args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _spawn(*args: str, **env_vars: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_vars}
     return subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -158,7 +158,7 @@ def _listening(proc: subprocess.Popen[str]) -> str:
 
 @pytest.fixture(scope="module")
 def children() -> Iterator[dict[str, Any]]:
-    procs = {"standalone": _spawn(*_server_cmd()), "doomed": _spawn(*_server_cmd()), "peer": _spawn("-c", PEER_SCRIPT)}
+    procs = {"standalone": _spawn(*_server_cmd()), "doomed": _spawn(*_server_cmd(), KVBRIDGE_METADATA_TOKEN="env-token"), "peer": _spawn("-c", PEER_SCRIPT)}
     try:
         yield {"standalone": _listening(procs["standalone"]), "doomed": (procs["doomed"], _listening(procs["doomed"])),
                "peer": Peer(procs["peer"])}
@@ -481,10 +481,20 @@ def test_listening_on_a_taken_port_is_a_config_error(serve: Callable[..., Metada
 
 # ---- the standalone process -------------------------------------------------------------------------
 
+def test_cli_refuses_bad_options_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbridge.cli import main
+
+    assert main(["metadata-server", "--tls-cert", "x.pem"]) == 2
+    out = capsys.readouterr()
+    assert "--tls-cert and --tls-key go together" in out.err and not out.out
+
+
 def test_sigterm_stops_the_standalone_server_gracefully(children: dict[str, Any]) -> None:
     proc, address = children["doomed"]
-    with MetadataClient(address) as client:
+    with MetadataClient(address, token="env-token") as client:
         client.publish("p", _h("1"), ttl_s=10)
+        with pytest.raises(errors.Unauthorized), MetadataClient(address) as tokenless:
+            tokenless.lookup(_h("1"))  # the token came from $KVBRIDGE_METADATA_TOKEN
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
         assert proc.stdout.read().strip().splitlines()[-1] == "stopped"

@@ -315,9 +315,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, default=5.0, help="seconds running calls get at shutdown")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM or SIGINT; prints ``listening on HOST:PORT`` first (flushed), ``stopped`` last."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _standalone(args: argparse.Namespace) -> MetadataServer:
+    # the token comes from a file or the environment, never the command line (which `ps` shows to everyone)
     token = os.environ.get(TOKEN_ENV) or None
     if args.token_file:
         with open(args.token_file) as f:
@@ -329,12 +328,22 @@ def run(args: argparse.Namespace) -> int:
         tls = wire.ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
     elif args.tls_client_ca:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
-    server = MetadataServer(args.listen, token=token, tls=tls, max_hashes=args.max_hashes,
-                            max_message_bytes=args.max_message_bytes)
+    return MetadataServer(args.listen, token=token, tls=tls, max_hashes=args.max_hashes,
+                          max_message_bytes=args.max_message_bytes)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT; prints ``listening on HOST:PORT`` first (flushed), ``stopped`` last."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        server = _standalone(args)
+        server.start()
+    except (ConfigError, OSError) as exc:
+        print(f"kvbridge metadata-server: {exc}", file=sys.stderr)
+        return 2
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    server.start()
     print(f"listening on {server.address}", flush=True)
     while not done.wait(0.5):  # a bounded wait keeps the main thread responsive to signals
         pass
