@@ -102,6 +102,8 @@ class MetadataServer:
     ``(engine_id, request_id)``: repeats (a client's retries) answer ``duplicate`` without calling it
     again — among the last ``release_memory`` releases; it should still tolerate an unknown request.
     A callback that raises fails the call (INTERNAL) and leaves it un-remembered, so a retry calls again.
+    Callbacks run on the server's worker threads, possibly several at once: they must be thread-safe
+    and quick (no transfers inside them).
 
     ``directory``: ``True`` serves a fresh :class:`Directory`, an instance serves (and may share) that
     one, ``False`` serves none.
