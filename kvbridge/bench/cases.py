@@ -105,7 +105,7 @@ def _not_measured(name: str, op: str, point: Point, baselines: Sequence[str], wh
     return [make_record(name, op, point, None, b, None, note=f"not measured: {why}") for b in baselines]
 
 
-def _medium_env(target: Target, tmp: Path) -> dict[str, Any]:
+def medium_env(target: Target, tmp: Path) -> dict[str, Any]:
     """What a baseline must match: the backend's directory (a path option that exists) and fsync setting."""
     env: dict[str, Any] = {"dir": str(tmp), "fsync": False}
     options = getattr(target.producer, "options", None)
@@ -142,7 +142,7 @@ def _open(name: str, tmp: Path, point: Point) -> Target:
     return target
 
 
-class _Pair:
+class Pair:
     """Producer and consumer pools of one point; one pool with two block sets when the target serves one engine."""
 
     def __init__(self, target: Target, point: Point):
@@ -176,49 +176,59 @@ def _check_failed(failed: frozenset[int]) -> None:
         raise Unavailable(f"{len(failed)} blocks failed to load")
 
 
-def _time_save(pair: _Pair, reps: int) -> Timing:
-    def plan(i: int) -> tuple[list[RequestInfo], Any]:
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One timed operation: ``setup(i)`` (untimed) gives a state, ``run(state)`` is timed,
+    ``teardown(state)`` (untimed) finishes the requests. pytest-benchmark drives the same three."""
+
+    setup: Callable[[int], Any]
+    run: Callable[[Any], object]
+    teardown: Callable[[Any], object]
+
+    def time(self, reps: int) -> Timing:
+        return time_reps(self.run, reps, setup=self.setup, teardown=self.teardown)
+
+
+def save_case(pair: Pair) -> Case:
+    """A store's save of every request's prompt (fresh keys each time)."""
+
+    def setup(i: int) -> tuple[list[RequestInfo], Any]:
         reqs, plan = pair.save_plan(f"save{i}", 1000 + i)
         saved = sum(len(s.block_ids) for s in plan.saves)
         if saved != pair.point.blocks:
             raise Unavailable(f"the plan saves {saved} of {pair.point.blocks} blocks (store too small?)")
         return reqs, plan
 
-    return time_reps(
-        lambda s: run_save(pair.prod, s[1]),
-        reps,
-        setup=plan,
-        teardown=lambda s: end_save(pair.prod, s[0], pair.pblocks),
-    )
+    return Case(setup, lambda s: run_save(pair.prod, s[1]), lambda s: end_save(pair.prod, s[0], pair.pblocks))
 
 
-def _time_load(pair: _Pair, reps: int, *, peer: bool, timed: str) -> Timing:
-    """The consumer's side: ``timed="load"`` times the pull, ``timed="plan"`` the scheduler's part.
+def load_case(pair: Pair, *, peer: bool, timed: str = "load") -> Case:
+    """The consumer's side: ``timed="load"`` times the pull, ``timed="plan"`` the scheduler's part
+    (lookup + on_allocated + plan_step of every request).
 
-    Stores are saved to once (and loaded from ``reps + 1`` times); a peer's producer produces for
-    every pull and is settled (released) after it.
+    Stores are saved to once (and loaded from every time); a peer's producer produces for every
+    pull and is settled (released) after it. The first pull is checked bit-exact.
     """
     cons, prod = pair.cons, pair.prod
     fixed = None if peer else pair.produce("fixed", 7)
     checked = False
 
-    def produce(i: int) -> tuple[list[RequestInfo], list[Any], list[Mapping[str, Any] | None]]:
-        return pair.produce(f"p{i}", 2000 + i) if fixed is None else fixed
-
-    def plan(i: int) -> dict[str, Any]:
-        preqs, decisions, params = produce(i)
+    def setup(i: int) -> dict[str, Any]:
+        preqs, decisions, params = pair.produce(f"p{i}", 2000 + i) if fixed is None else fixed
         creqs = requests(cons, f"c{i}", [r.prompt_token_ids for r in preqs], params)
-        return {
-            "preqs": preqs,
-            "dec": decisions,
-            "creqs": creqs,
-            "plan": None if timed == "plan" else plan_load(cons, creqs, pair.cblocks),
-        }
+        plan = None if timed == "plan" else plan_load(cons, creqs, pair.cblocks)
+        return {"preqs": preqs, "dec": decisions, "creqs": creqs, "plan": plan}
 
-    def finish(s: dict[str, Any], *, loaded: bool) -> None:
+    def pull(s: dict[str, Any]) -> None:
+        _check_failed(run_load(cons, s["plan"], s["creqs"]))
+
+    def schedule(s: dict[str, Any]) -> None:
+        s["plan"] = plan_load(cons, s["creqs"], pair.cblocks)
+
+    def teardown(s: dict[str, Any]) -> None:
         nonlocal checked
-        if not loaded:
-            _check_failed(run_load(cons, s["plan"], s["creqs"]))
+        if timed == "plan":
+            pull(s)
         if not checked:
             if not same_blocks(prod, pair.pblocks, cons, pair.cblocks):
                 raise Unavailable("loaded blocks differ from the saved ones")
@@ -227,25 +237,14 @@ def _time_load(pair: _Pair, reps: int, *, peer: bool, timed: str) -> Timing:
         if peer:
             settle(prod, s["preqs"], s["dec"])
 
-    if timed == "plan":
-
-        def timed_plan(s: dict[str, Any]) -> None:
-            s["plan"] = plan_load(cons, s["creqs"], pair.cblocks)
-
-        return time_reps(timed_plan, reps, setup=plan, teardown=lambda s: finish(s, loaded=False))
-    return time_reps(
-        lambda s: _check_failed(run_load(cons, s["plan"], s["creqs"])),
-        reps,
-        setup=plan,
-        teardown=lambda s: finish(s, loaded=True),
-    )
+    return Case(setup, schedule if timed == "plan" else pull, teardown)
 
 
-def _sched_floor(point: Point, reps: int) -> Timing:
-    """What any Python scheduler pays: a C-level set intersection of each request's keys with the index
-    and one BlockLoad per request (``dict`` baseline of ``sched_step``)."""
+def sched_floor_case(point: Point) -> Case:
+    """What any Python scheduler pays per step (the ``dict`` baseline of ``sched_step``): a C-level set
+    intersection of each request's keys with the index, and one BlockLoad per request."""
     keys = [tuple(os.urandom(32) for _ in range(point.blocks_per_request)) for _ in range(point.requests)]
-    index = {k: None for ks in keys for k in ks}
+    index = dict.fromkeys(k for ks in keys for k in ks)
     ids = tuple(range(point.blocks_per_request))
 
     def step(_: object) -> None:
@@ -253,7 +252,12 @@ def _sched_floor(point: Point, reps: int) -> Timing:
             _ = len(index.keys() & ks)
             BlockLoad(f"r{i}", ids, ks)
 
-    return time_reps(step, reps)
+    return Case(lambda i: None, step, lambda s: None)
+
+
+def sched_floor(point: Point, reps: int) -> Timing:
+    """:func:`sched_floor_case`, timed."""
+    return sched_floor_case(point).time(reps)
 
 
 @dataclasses.dataclass
@@ -270,7 +274,8 @@ class Progress:
 
 
 @contextlib.contextmanager
-def _opened(name: str, point: Point) -> Iterator[tuple[Target, Path]]:
+def opened(name: str, point: Point) -> Iterator[tuple[Target, Path]]:
+    """Backend ``name``'s target for ``point`` in a fresh temp dir; cleaned up and removed on exit."""
     tmp = Path(tempfile.mkdtemp(prefix=f"kvbridge-bench-{name}-"))
     target = None
     try:
@@ -368,20 +373,17 @@ class Measurer:
     def _point(self, name: str, spec: BackendBench, point: Point) -> list[Record]:
         records: list[Record] = []
         try:
-            with _opened(name, point) as (target, tmp):
+            with opened(name, point) as (target, tmp):
                 peer = target.producer.kind == "peer"
                 ops = ("transfer",) if peer else ("save", "load")
-                pair = _Pair(target, point)
-                env = _medium_env(target, tmp)
+                pair = Pair(target, point)
+                env = medium_env(target, tmp)
                 try:
                     for op in ops:
                         self.progress.step(f"{name} {op} {point.label()}")
                         try:
-                            ours = (
-                                _time_save(pair, self.reps)
-                                if op == "save"
-                                else _time_load(pair, self.reps, peer=peer, timed="load")
-                            )
+                            case = save_case(pair) if op == "save" else load_case(pair, peer=peer)
+                            ours = case.time(self.reps)
                             note = ""
                         except Exception as exc:  # noqa: BLE001 - one failing case is a row, not a crash
                             ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
@@ -394,16 +396,17 @@ class Measurer:
 
     def _sched(self, name: str, point: Point) -> list[Record]:
         try:
-            with _opened(name, point) as (target, _tmp):
-                pair = _Pair(target, point)
+            with opened(name, point) as (target, _tmp):
+                pair = Pair(target, point)
                 try:
-                    ours: Timing | None = _time_load(pair, self.reps, peer=target.producer.kind == "peer", timed="plan")
+                    case = load_case(pair, peer=target.producer.kind == "peer", timed="plan")
+                    ours: Timing | None = case.time(self.reps)
                     note = ""
                 finally:
                     pair.close()
         except Exception as exc:  # noqa: BLE001
             ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
-        base = _sched_floor(point, self.reps) if ours else None
+        base = sched_floor(point, self.reps) if ours else None
         return [
             make_record(name, "sched_step", point, ours, "dict", base, note=note, per=point.requests, moves_bytes=False)
         ]
@@ -431,10 +434,18 @@ __all__ = [
     "DEFAULT_BENCH",
     "EXTERNAL",
     "BackendBench",
+    "Case",
     "ExternalPeer",
     "Measurer",
+    "Pair",
     "Progress",
     "bench_names",
     "count_cases",
+    "load_case",
+    "medium_env",
+    "opened",
+    "save_case",
+    "sched_floor",
+    "sched_floor_case",
     "sched_points",
 ]
