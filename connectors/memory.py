@@ -32,12 +32,15 @@ class MemoryStore(BlockStore):
         super().__init__(engine)
         with _LOCK:
             self._data = _SHARED.setdefault(name, {})
-        self._prefix = (engine.namespace, engine.rank)
+        self._namespace, self._rank = engine.namespace, engine.rank
+
+    def _slot(self, key: bytes) -> tuple[str, int, bytes]:
+        return (self._namespace, self._rank, key)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         n = 0
         for key in keys:
-            if (*self._prefix, key) not in self._data:
+            if self._slot(key) not in self._data:
                 break
             n += 1
         return n
@@ -45,7 +48,7 @@ class MemoryStore(BlockStore):
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         found = []
         for key in op.keys:  # a prefix: stop at the first block that is missing or foreign
-            entry = self._data.get((*self._prefix, key))
+            entry = self._data.get(self._slot(key))
             if entry is None or entry[0] != layout.fingerprint:
                 break
             found.append(entry[1])
@@ -56,7 +59,7 @@ class MemoryStore(BlockStore):
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         staging = layout.gather(op.block_ids)
         for i, key in enumerate(op.keys):
-            self._data[(*self._prefix, key)] = (layout.fingerprint, staging[:, i])
+            self._data[self._slot(key)] = (layout.fingerprint, staging[:, i])
 
 
 class MemoryBackend(StoreBackend):

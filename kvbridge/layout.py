@@ -119,6 +119,10 @@ class KVLayout:
         self.block_bytes = fingerprint.block_bytes
         self.num_layers = len(self.layers)
         self._index = {name: i for i, name in enumerate(self.layer_names)}
+        # Where a block is one contiguous stretch of memory, move it as a row of machine words: the
+        # copy kernels then see [num_blocks, words] instead of a 4-D tensor of 2-byte elements.
+        self._word = torch.int64 if self.block_bytes % 8 == 0 else torch.uint8
+        self._rows = tuple(self._as_rows(v) for v in self.layers)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -210,17 +214,28 @@ class KVLayout:
             return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
         return torch.empty(shape, dtype=torch.uint8, device=self.device)
 
-    def _typed(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        # view a contiguous uint8 [n, block_bytes] slab as [n, *block_shape] of the KV dtype
+    def _as_rows(self, view: torch.Tensor) -> torch.Tensor | None:
+        if not view[0].is_contiguous() or view.stride(0) != view[0].numel():
+            return None
+        rows = view.reshape(self.num_blocks, -1).view(torch.uint8)
+        if self._word != torch.uint8 and rows.data_ptr() % 8 == 0:
+            return rows.view(self._word)
+        self._word = torch.uint8
+        return rows
+
+    def _slab(self, layer: int, buf: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # (the layer's blocks, the staging slab) as tensors of matching shape and dtype
         if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.numel() != n * self.block_bytes:
             raise LayoutError(f"staging slab must be contiguous uint8 of {n}x{self.block_bytes} bytes")
-        return buf.view(self.dtype).view(n, *self.block_shape)
+        rows = self._rows[layer]
+        if rows is not None and rows.dtype == self._word:
+            return rows, buf.view(self._word).view(n, -1)
+        return self.layers[layer], buf.view(self.dtype).view(n, *self.block_shape)
 
     def gather_layer(self, layer: int, block_ids: torch.Tensor, out: torch.Tensor, runs: list[tuple[int, int]] | None = None) -> None:
         """Copy blocks ``block_ids`` of one layer into ``out`` (uint8 ``[n, block_bytes]``), one op."""
         n = int(block_ids.numel())
-        dst = self._typed(out, n)
-        src = self.layers[layer]
+        src, dst = self._slab(layer, out, n)
         if runs is not None and len(runs) == 1:
             dst.copy_(src.narrow(0, runs[0][0], n))
         else:
@@ -229,8 +244,7 @@ class KVLayout:
     def scatter_layer(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int]] | None = None) -> None:
         """Copy ``src`` (uint8 ``[n, block_bytes]``) into blocks ``block_ids`` of one layer, one op."""
         n = int(block_ids.numel())
-        data = self._typed(src, n)
-        dst = self.layers[layer]
+        dst, data = self._slab(layer, src, n)
         if runs is not None and len(runs) == 1:
             dst.narrow(0, runs[0][0], n).copy_(data)
         else:

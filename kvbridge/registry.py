@@ -46,7 +46,7 @@ _BUILTIN = {
     for spec in (
         BackendSpec("memory", "kvbridge.connectors.memory", "in-process reference store (tests, docs)"),
         BackendSpec("cpu", "kvbridge.connectors.cpu", "bounded host-memory offload tier with LRU eviction"),
-        BackendSpec("fs", "kvbridge.connectors.fs", "shared filesystem store (local disk, NFS, tmpfs)"),
+        BackendSpec("fs", "kvbridge.connectors.fs", "shared filesystem store (local disk, NFS, tmpfs)", extra="fs"),
         BackendSpec("chain", "kvbridge.connectors.chain", "ordered tiers, e.g. cpu then fs"),
         BackendSpec("lmcache", "kvbridge.connectors.lmcache", "LMCache storage tier", extra="lmcache"),
         BackendSpec("ucx", "kvbridge.connectors.ucx", "peer-to-peer pulls over UCX (RDMA/TCP/shm)", extra="ucx"),
