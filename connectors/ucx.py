@@ -1,0 +1,847 @@
+"""``ucx`` — peer-to-peer KV hand-off: the consumer pulls the blocks straight out of the producer's KV cache.
+
+The producer keeps a finished prompt's blocks (``delay_free``) and names them in the transfer params
+it hands the consumer; the consumer's worker pulls them over UCX and tells the producer to free
+them. Bulk bytes go over UCX (shared memory between processes of one host, TCP or — with a site UCX —
+RDMA between hosts); everything else over the gRPC metadata plane (:mod:`kvbridge.metadata`).
+
+**Producer worker** (roles ``producer``/``both``) runs an embedded :class:`MetadataServer`:
+
+- *Handshake*: refuses a consumer whose layout fingerprint differs (:class:`LayoutMismatch`), makes
+  a UCX endpoint to the consumer's worker address (``transport["ucx_worker_address"]``) and answers
+  with its own.
+- *Pull* (a UCX tag message on the producer's :func:`control_tag`, struct-packed, never pickled):
+  the consumer names its engine, a reply serial, the producer's request and block ids. The producer
+  checks the request is still held, answers a status message, then gathers the blocks chunk by chunk
+  (``chunk_bytes``, ``max_inflight`` chunks in flight) and sends each as one message — whole chunks,
+  never a message per block.
+- *Release* (gRPC): the request is reported in ``finished_saving`` and its blocks freed; so is a
+  request whose lease (``lease_s``) expires first (counted in ``stats.expired_leases``). The worker
+  learns the held requests from ``StepPlan.extra["ucx_holds"]``; a release that arrives before the
+  plan is remembered.
+
+**Where the scheduler finds the worker.** The scheduler writes the producer worker's metadata address
+into the transfer params, but may live in another process. With ``metadata_port`` set, rank ``r``
+listens on ``advertise_host:metadata_port + r`` and the scheduler derives the addresses (use this
+across hosts, or whenever ports must be fixed). With ``metadata_port=0`` (default) each worker
+listens on a free port and publishes its address in a small file ``<registry_dir>/<engine>.<rank>.json``
+(and in-process), which the scheduler reads: scheduler and workers of one engine share a host.
+
+**Consumer worker** (``consumer``/``both``): loads run on a small thread pool. Per producer address it
+handshakes once (cached with the endpoint), then per load: posts the receives, sends the pull,
+receives each chunk into a staging buffer — never into the KV, so a late, partial or timed-out chunk
+never touches a block — scatters it (one op per layer), and finally releases the producer's request.
+Every wait has a deadline (``timeout_s`` without progress); a dead, unreachable or refusing producer
+ends the load with its missing blocks in ``failed_blocks`` (the engine recomputes them), never a
+hang. After a timeout the endpoint to that producer is dropped and made anew next time.
+
+Runtime, transport choice and the ``cma`` safety rule: :mod:`kvbridge.connectors._ucx_runtime`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from kvbridge.connectors import _ucx_runtime as rtmod
+
+from kvbridge.contract import (
+    Backend,
+    BlockLoad,
+    EngineInfo,
+    FinishDecision,
+    Lookup,
+    RequestInfo,
+    ScheduledRequest,
+    SchedulerSide,
+    StepPlan,
+    WorkerReport,
+    WorkerSide,
+)
+from kvbridge.errors import KVBridgeError, ProtocolError, TransferError, TransferTimeout
+from kvbridge.layout import KVLayout
+from kvbridge.metadata.client import MetadataClient
+from kvbridge.metadata.server import MetadataServer
+from kvbridge.metadata.types import PeerInfo
+from kvbridge.options import require
+from kvbridge.stats import TransferStats
+from kvbridge.testing.engine import Target
+
+log = logging.getLogger(__name__)
+
+PARAMS_VERSION = 1  # transfer_params["kvbridge_version"]
+WORKER_ADDRESS = "ucx_worker_address"  # PeerInfo.transport keys
+CONTROL_TAG = "ucx_control_tag"  # 8 bytes, little-endian: where the producer takes pulls
+HOLDS = "ucx_holds"  # StepPlan.extra key: ((request_id, block_ids, expires_at), ...)
+
+# ---- wire format of the UCX control messages (little-endian) ---------------------------------------
+_MAGIC = b"KVBU"
+_WIRE_VERSION = 1
+_PULL = struct.Struct("<4sBBHHHIIQd")  # magic, version, kind, len(engine), len(request), rank, n_ids, blocks/chunk, serial, expires_at
+_STATUS = struct.Struct("<4sBBHI")  # magic, version, code, len(reason), n_chunks; then the reason (utf-8)
+_KIND_PULL, _KIND_STOP = 1, 2
+_OK, _REFUSED = 0, 1
+STATUS_BYTES = 512
+MAX_PULL_IDS = 250_000  # one pull's block ids fit a 1 MiB control message (4M tokens at block size 16)
+CONTROL_BYTES = _PULL.size + 2 * 256 + 4 * MAX_PULL_IDS
+_MAX_CHUNK_BYTES = 1 << 30  # what a producer gathers per chunk at most, whatever a consumer asks
+_SERVES = 4  # pulls a producer worker serves at once; others queue
+_LOAD_THREADS = 4  # loads a consumer worker runs at once
+_GRAVEYARD_BYTES = 512 << 20  # staging buffers of abandoned receives kept alive (UCX may still write them)
+
+
+@dataclasses.dataclass(frozen=True)
+class UcxOptions:
+    """Options of the ``ucx`` backend (``kv_connector_extra_config``); every one has a loopback default.
+
+    - ``advertise_host``: the host consumers dial for this engine's metadata server (and the one it
+      listens on, unless ``listen_host``).
+    - ``listen_host``: bind the metadata server here instead (e.g. ``0.0.0.0`` in a container).
+    - ``metadata_port``: 0 = a free port per worker, published in ``registry_dir``; N = rank r listens on N+r.
+    - ``registry_dir``: where workers publish their metadata address for their scheduler
+      (default: ``$TMPDIR/kvbridge-ucx-<uid>``).
+    - ``timeout_s``: a transfer step (handshake, status, each chunk) without progress for this long fails.
+    - ``lease_s``: a producer frees a request's blocks this long after it finished if no release came.
+    - ``chunk_bytes`` / ``max_inflight``: the pull moves chunks of about this many bytes, this many at once.
+    - ``progress_mode``: ucxx progress ("thread", "thread-polling", "blocking", "polling"); process-wide.
+    - ``ucx_tls``: UCX_TLS for this process (wins over the environment; default ``^cma``); process-wide.
+    - ``token``: shared token of the metadata plane (both sides must agree).
+    """
+
+    advertise_host: str = "127.0.0.1"
+    listen_host: str = ""
+    metadata_port: int = 0
+    registry_dir: str = ""
+    timeout_s: float = 10.0
+    lease_s: float = 60.0
+    chunk_bytes: int = 16 << 20
+    max_inflight: int = 3
+    progress_mode: Literal["thread", "thread-polling", "blocking", "polling"] = "thread"
+    ucx_tls: str = ""
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        require(bool(self.advertise_host), "advertise_host must not be empty")
+        require(0 <= self.metadata_port < 65536, f"metadata_port={self.metadata_port} outside [0, 65535]")
+        require(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be > 0")
+        require(self.lease_s > 0, f"lease_s={self.lease_s} must be > 0")
+        require(self.chunk_bytes >= 4096, f"chunk_bytes={self.chunk_bytes} must be >= 4096")
+        require(1 <= self.max_inflight <= 64, f"max_inflight={self.max_inflight} outside [1, 64]")
+        require(self.token is None or bool(self.token), "token must be non-empty (or unset)")
+
+    @property
+    def registry(self) -> Path:
+        return Path(self.registry_dir or Path(tempfile.gettempdir()) / f"kvbridge-ucx-{os.getuid()}")
+
+
+@dataclasses.dataclass
+class UcxStats(TransferStats):
+    """:class:`TransferStats` plus what a producer sees: pulls served or refused, releases, expired leases."""
+
+    served_pulls: int = 0
+    served_bytes: int = 0
+    refused_pulls: int = 0
+    releases: int = 0
+    expired_leases: int = 0
+
+
+# ---- where a producer's workers listen ---------------------------------------------------------------
+_PUBLISHED: dict[tuple[str, str, int], str] = {}  # (registry, engine_id, rank) -> address, this process
+
+
+def _registry_file(options: UcxOptions, engine_id: str, rank: int) -> Path:
+    name = hashlib.sha256(engine_id.encode()).hexdigest()[:24]  # any engine id, a safe file name
+    return options.registry / f"{name}.{rank}.json"
+
+
+def _publish(options: UcxOptions, engine_id: str, rank: int, address: str) -> None:
+    _PUBLISHED[(str(options.registry), engine_id, rank)] = address
+    path = _registry_file(options, engine_id, rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"engine_id": engine_id, "rank": rank, "address": address, "pid": os.getpid()}))
+        os.replace(tmp, path)  # a reader sees the old address or the new one, never half
+    except OSError as exc:  # in-process schedulers still find it; others will log the miss
+        log.warning("cannot publish the metadata address in %s: %s", path, exc)
+
+
+def _unpublish(options: UcxOptions, engine_id: str, rank: int) -> None:
+    _PUBLISHED.pop((str(options.registry), engine_id, rank), None)
+    with contextlib.suppress(OSError):
+        path = _registry_file(options, engine_id, rank)
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+
+
+def _lookup_address(options: UcxOptions, engine_id: str, rank: int) -> str | None:
+    if options.metadata_port:
+        return f"{options.advertise_host}:{options.metadata_port + rank}"
+    found = _PUBLISHED.get((str(options.registry), engine_id, rank))
+    if found:
+        return found
+    try:
+        entry = json.loads(_registry_file(options, engine_id, rank).read_text())
+    except (OSError, ValueError):
+        return None
+    return str(entry["address"]) if entry.get("engine_id") == engine_id else None
+
+
+# ---- scheduler side ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Incoming:
+    params: Mapping[str, Any]
+    num_computed: int = 0
+    loading: bool = False
+
+
+def _usable_params(params: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    if not params or params.get("kvbridge_version") != PARAMS_VERSION:
+        return None
+    try:
+        if float(params["expires_at"]) < time.time() or not params["block_ids"] or not params["metadata_address"]:
+            return None
+        int(params["num_tokens"]), str(params["engine_id"]), str(params["request_id"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return params
+
+
+class UcxScheduler(SchedulerSide):
+    """Scheduler side. As a consumer: admits what the transfer params name and plans the pulls. As a
+    producer: holds finished prompts' full blocks for a consumer and says where to pull them from."""
+
+    def __init__(self, options: UcxOptions, engine: EngineInfo):
+        self.options = options
+        self.engine = engine
+        self._incoming: dict[str, _Incoming] = {}
+        self._pending: list[BlockLoad] = []
+        self._hold_after_load: list[str] = []
+        self._holds: list[tuple[str, tuple[int, ...], float]] = []
+
+    def lookup(self, request: RequestInfo, num_computed_tokens: int) -> Lookup:
+        self._check_open()
+        params = _usable_params(request.transfer_params) if self.engine.role != "producer" else None
+        if params is None or params["engine_id"] == self.engine.engine_id:
+            return Lookup(0)
+        self._incoming[request.request_id] = _Incoming(params, num_computed_tokens)
+        loadable = min(int(params["num_tokens"]), request.num_prompt_tokens - 1)
+        return Lookup(max(0, loadable - num_computed_tokens), is_async=True)
+
+    def on_allocated(self, request: RequestInfo, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        self._check_open()
+        incoming = self._incoming.get(request.request_id)
+        if incoming is None or num_external_tokens <= 0:
+            return
+        bs = self.engine.block_size
+        first = incoming.num_computed // bs
+        remote = tuple(int(b) for b in incoming.params["block_ids"])
+        last = min(-(-(incoming.num_computed + num_external_tokens) // bs), len(remote), len(block_ids))
+        if last <= first:
+            return
+        p = incoming.params
+        source = {
+            "engine_id": str(p["engine_id"]),
+            "metadata_address": str(p["metadata_address"]),
+            "metadata_addresses": tuple(str(a) for a in p.get("metadata_addresses", ())),
+            "remote_request_id": str(p["request_id"]),
+            "remote_block_ids": remote[first:last],
+            "expires_at": float(p["expires_at"]),
+        }
+        self._pending.append(BlockLoad(request.request_id, tuple(int(b) for b in block_ids[first:last]), source=source))
+        incoming.loading = True
+
+    def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
+        self._check_open()
+        extra = {HOLDS: tuple(self._holds)} if self._holds else {}
+        plan = StepPlan(loads=tuple(self._pending), hold_after_load=tuple(self._hold_after_load), extra=extra)
+        self._pending.clear()
+        self._hold_after_load.clear()
+        self._holds.clear()
+        return plan
+
+    def on_report(self, report: WorkerReport) -> None:
+        self._check_open()
+        for rid in report.finished_loading:
+            incoming = self._incoming.get(rid)
+            if incoming is not None:
+                incoming.loading = False
+
+    def on_finished(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
+        self._check_open()
+        incoming = self._incoming.pop(request.request_id, None)
+        if incoming is not None and incoming.loading:
+            if any(op.request_id == request.request_id for op in self._pending):  # never started: drop it
+                self._pending = [op for op in self._pending if op.request_id != request.request_id]
+                return FinishDecision()
+            self._hold_after_load.append(request.request_id)  # a pull still writes into its blocks
+            return FinishDecision(delay_free=True)
+        if self.engine.role == "consumer":
+            return FinishDecision()
+        return self._offer(request, block_ids)
+
+    def _offer(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
+        full = min(request.num_prompt_tokens // self.engine.block_size, len(block_ids))
+        addresses = [_lookup_address(self.options, self.engine.engine_id, r) for r in range(self.engine.world_size)]
+        if not full or addresses[0] is None:
+            if full:
+                log.warning("%s: no published metadata address (worker not started?); %s not offered",
+                            self.engine.engine_id, request.request_id)
+            return FinishDecision()
+        ids = tuple(int(b) for b in block_ids[:full])
+        expires_at = time.time() + self.options.lease_s
+        self._holds.append((request.request_id, ids, expires_at))
+        params = {
+            "kvbridge_version": PARAMS_VERSION,
+            "engine_id": self.engine.engine_id,
+            "metadata_address": addresses[0],
+            "request_id": request.request_id,
+            "block_ids": list(ids),
+            "num_tokens": full * self.engine.block_size,
+            "expires_at": expires_at,
+        }
+        if self.engine.world_size > 1 and all(addresses):
+            params["metadata_addresses"] = addresses
+        return FinishDecision(delay_free=True, transfer_params=params)
+
+
+# ---- producer worker: serving pulls --------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Pull:
+    engine_id: str
+    rank: int
+    request_id: str
+    block_ids: np.ndarray
+    blocks_per_chunk: int
+    serial: int
+    expires_at: float
+
+    def encode(self) -> bytes:
+        e, r = self.engine_id.encode(), self.request_id.encode()
+        head = _PULL.pack(_MAGIC, _WIRE_VERSION, _KIND_PULL, len(e), len(r), self.rank, len(self.block_ids),
+                          self.blocks_per_chunk, self.serial, self.expires_at)
+        return head + e + r + np.asarray(self.block_ids, dtype="<i4").tobytes()
+
+    @classmethod
+    def decode(cls, data: memoryview) -> _Pull:
+        if len(data) < _PULL.size:
+            raise ProtocolError("pull message too short")
+        magic, version, kind, ne, nr, rank, n, per, serial, expires = _PULL.unpack_from(data)
+        if magic == _MAGIC and version == _WIRE_VERSION and kind == _KIND_STOP:
+            raise _Stop
+        if magic != _MAGIC or version != _WIRE_VERSION or kind != _KIND_PULL or not 0 < n <= MAX_PULL_IDS or per < 1:
+            raise ProtocolError(f"malformed pull message (magic {magic!r}, version {version}, kind {kind}, {n} ids)")
+        off = _PULL.size
+        engine_id, request_id = bytes(data[off:off + ne]).decode(), bytes(data[off + ne:off + ne + nr]).decode()
+        ids = np.frombuffer(data, dtype="<i4", count=n, offset=off + ne + nr).astype(np.int64)
+        return cls(engine_id, rank, request_id, ids, per, serial, expires)
+
+
+class _Stop(Exception):
+    """The control message a producer sends itself to end its control loop."""
+
+
+_STOP_MESSAGE = np.frombuffer(_PULL.pack(_MAGIC, _WIRE_VERSION, _KIND_STOP, 0, 0, 0, 0, 0, 0, 0.0), dtype=np.uint8)
+
+
+def _status(code: int, n_chunks: int, reason: str = "") -> np.ndarray:
+    text = reason.encode()[: STATUS_BYTES - _STATUS.size]
+    out = np.zeros(STATUS_BYTES, dtype=np.uint8)
+    out[: _STATUS.size + len(text)] = np.frombuffer(_STATUS.pack(_MAGIC, _WIRE_VERSION, code, len(text), n_chunks) + text, np.uint8)
+    return out
+
+
+def _read_status(buf: np.ndarray) -> tuple[int, int, str]:
+    magic, version, code, n, n_chunks = _STATUS.unpack_from(buf.tobytes())
+    if magic != _MAGIC or version != _WIRE_VERSION:
+        raise ProtocolError("malformed status message from the producer")
+    return code, n_chunks, bytes(buf[_STATUS.size:_STATUS.size + n]).decode(errors="replace")
+
+
+def _chunk(buf: torch.Tensor, layout: KVLayout, n: int) -> torch.Tensor:
+    """The first ``n`` blocks' worth of a staging buffer, as a contiguous ``[layers, n, block_bytes]``."""
+    return buf.view(-1)[: layout.num_layers * n * layout.block_bytes].view(layout.num_layers, n, layout.block_bytes)
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:  # a gather/scatter on the GPU is queued on a stream; UCX must see finished bytes
+        torch.cuda.current_stream(t.device).synchronize()
+
+
+class _Server:
+    """A producer worker's serving half: metadata server, UCX control loop, held requests."""
+
+    def __init__(self, options: UcxOptions, engine: EngineInfo, layout: KVLayout, rt: rtmod.Runtime, stats: UcxStats):
+        self.options, self.engine, self.layout, self.rt, self.stats = options, engine, layout, rt, stats
+        self.tag = rtmod.control_tag(engine.engine_id, engine.rank)
+        self.info = PeerInfo(engine.engine_id, engine.rank, layout.fingerprint,
+                             {WORKER_ADDRESS: rt.worker_address, CONTROL_TAG: self.tag.to_bytes(8, "little")})
+        self._lock = threading.Lock()
+        self._consumers: dict[tuple[str, int], Any] = {}  # (engine id, rank) -> UCX endpoint
+        self._holds: dict[str, tuple[frozenset[int], float]] = {}
+        self._done: collections.OrderedDict[str, None] = collections.OrderedDict()  # released or expired
+        self._finished: set[str] = set()  # to report in finished_saving
+        self._control_buf = np.empty(CONTROL_BYTES, dtype=np.uint8)
+        port = options.metadata_port + engine.rank if options.metadata_port else 0
+        self.server = MetadataServer(f"{options.listen_host or options.advertise_host}:{port}", token=options.token,
+                                     on_handshake=self._handshake, on_release=self._release, directory=False)
+        port = self.server.start()
+        self.address = f"{options.advertise_host}:{port}"
+        self._serving = rt.submit(self._control_loop())
+        _publish(options, engine.engine_id, engine.rank, self.address)
+
+    # ---- metadata callbacks (gRPC threads) ----
+    def _handshake(self, peer: PeerInfo) -> PeerInfo:
+        self.layout.fingerprint.check(peer.fingerprint, what=f"consumer {peer.engine_id}")
+        address = peer.transport.get(WORKER_ADDRESS)
+        if not address:
+            raise ProtocolError(f"consumer {peer.engine_id} sent no {WORKER_ADDRESS}")
+        ep = self.rt.call(self.rt.connect(address), self.options.timeout_s)
+        with self._lock:
+            old = self._consumers.pop((peer.engine_id, peer.rank), None)
+            self._consumers[(peer.engine_id, peer.rank)] = ep
+        if old is not None:  # the consumer dropped its side (a timeout) and starts over
+            self.rt.close_endpoint(old)
+        return self.info
+
+    def _release(self, engine_id: str, request_id: str, aborted: bool) -> None:
+        self.stats.add(releases=1)
+        with self._lock:
+            self._mark_done(request_id)
+            if self._holds.pop(request_id, None) is not None:
+                self._finished.add(request_id)
+
+    def _mark_done(self, request_id: str) -> None:
+        self._done[request_id] = None
+        while len(self._done) > 65536:
+            self._done.popitem(last=False)
+
+    # ---- engine steps ----
+    def hold(self, holds: Sequence[tuple[str, Sequence[int], float]]) -> None:
+        with self._lock:
+            for rid, blocks, expires_at in holds:
+                if rid in self._done:  # released before the plan told us it was held
+                    self._finished.add(rid)
+                else:
+                    self._holds[rid] = (frozenset(int(b) for b in blocks), float(expires_at))
+
+    def take_finished(self) -> set[str]:
+        now = time.time()
+        with self._lock:
+            expired = [rid for rid, (_, exp) in self._holds.items() if exp < now]
+            for rid in expired:
+                del self._holds[rid]
+                self._mark_done(rid)
+                self._finished.add(rid)
+            out, self._finished = self._finished, set()
+        if expired:
+            log.info("%s: lease expired for %d request(s) no consumer released", self.engine.engine_id, len(expired))
+            self.stats.add(expired_leases=len(expired))
+        return out
+
+    # ---- UCX (on the loop) ----
+    async def _control_loop(self) -> None:
+        buf = self._control_buf
+        slots = asyncio.Semaphore(_SERVES)
+        while True:
+            await self.rt.recv_any(buf, self.tag)
+            try:
+                pull = _Pull.decode(memoryview(buf.tobytes()))  # a copy: the buffer takes the next message now
+            except _Stop:
+                return
+            except (ProtocolError, UnicodeDecodeError, ValueError) as exc:
+                log.warning("%s: dropped a malformed pull: %s", self.engine.engine_id, exc)
+                continue
+            asyncio.get_running_loop().create_task(self._serve_guarded(pull, slots))
+
+    async def _serve_guarded(self, pull: _Pull, slots: asyncio.Semaphore) -> None:
+        async with slots:
+            try:
+                await self._serve(pull)
+            except Exception as exc:  # noqa: BLE001 - one pull failing must not stop the others
+                log.warning("%s: serving %s to %s failed: %s", self.engine.engine_id, pull.request_id, pull.engine_id, exc)
+                with self._lock:
+                    ep = self._consumers.pop((pull.engine_id, pull.rank), None)
+                if ep is not None:  # a stuck consumer: it handshakes again next time
+                    self.rt.close_endpoint(ep)
+
+    def _refusal(self, pull: _Pull) -> str:
+        ids = pull.block_ids
+        if int(ids.min()) < 0 or int(ids.max()) >= self.layout.num_blocks:
+            return "block ids outside the KV cache"
+        with self._lock:
+            if pull.request_id in self._done:
+                return f"request {pull.request_id} was already released or its lease expired"
+            held = self._holds.get(pull.request_id)
+        if time.time() > pull.expires_at:
+            return f"the lease of request {pull.request_id} expired"
+        if held is not None and not held[0].issuperset(ids.tolist()):
+            return f"blocks not held for request {pull.request_id}"
+        return ""
+
+    async def _serve(self, pull: _Pull) -> None:
+        with self._lock:
+            ep = self._consumers.get((pull.engine_id, pull.rank))
+        if ep is None:
+            raise ProtocolError(f"pull from {pull.engine_id}/{pull.rank} without a handshake")
+        timeout, layout, loop = self.options.timeout_s, self.layout, asyncio.get_running_loop()
+        per = max(1, min(pull.blocks_per_chunk, _MAX_CHUNK_BYTES // (layout.num_layers * layout.block_bytes)))
+        n_chunks = -(-len(pull.block_ids) // per)
+        refusal = self._refusal(pull) or ("too many chunks" if n_chunks > rtmod.MAX_CHUNKS - 1 else "")
+        status = _status(_REFUSED if refusal else _OK, n_chunks, refusal)
+        await asyncio.wait_for(ep.send(status, tag=rtmod.reply_tag(pull.serial, 0), force_tag=True), timeout)
+        if refusal:
+            self.stats.add(refused_pulls=1)
+            log.info("%s: refused a pull of %s: %s", self.engine.engine_id, pull.request_id, refusal)
+            return
+        free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
+        for _ in range(min(self.options.max_inflight, n_chunks)):
+            free.put_nowait(layout.staging(min(per, len(pull.block_ids))))
+        sends: list[asyncio.Task[None]] = []
+
+        async def send(buf: torch.Tensor, view: torch.Tensor, index: int) -> None:
+            try:
+                await asyncio.wait_for(ep.send(rtmod.as_buffer(view), tag=rtmod.reply_tag(pull.serial, index), force_tag=True), timeout)
+            finally:
+                free.put_nowait(buf)
+
+        def gather(ids: np.ndarray, view: torch.Tensor) -> None:
+            layout.gather(ids, out=view)
+            _sync(view)
+
+        try:
+            for i in range(n_chunks):
+                buf = await asyncio.wait_for(free.get(), timeout)
+                for task in sends:  # a send that failed (its deadline) ends the pull
+                    if task.done() and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+                ids = pull.block_ids[i * per:(i + 1) * per]
+                view = _chunk(buf, layout, len(ids))
+                await loop.run_in_executor(self.rt.copies, gather, ids, view)
+                sends.append(loop.create_task(send(buf, view, i + 1)))
+            await asyncio.gather(*sends)
+        finally:
+            for task in sends:
+                task.cancel()
+        self.stats.add(served_pulls=1, served_bytes=len(pull.block_ids) * layout.num_layers * layout.block_bytes)
+
+    def close(self) -> None:
+        try:  # the posted worker-level receive ends only with a message: send ourselves one
+            self.rt.call(self.rt.send_self(_STOP_MESSAGE, self.tag), 2.0)
+            self._serving.result(2.0)
+        except Exception as exc:  # noqa: BLE001 - the receive stays posted: keep its buffer alive
+            log.warning("%s: control loop did not stop (%s); its receive stays posted", self.engine.engine_id, exc)
+            self._serving.cancel()
+            _bury([torch.from_numpy(self._control_buf)])
+        self.server.stop(grace=0.5)
+        _unpublish(self.options, self.engine.engine_id, self.engine.rank)
+        with self._lock:
+            eps, self._consumers = list(self._consumers.values()), {}
+        for ep in eps:
+            self.rt.close_endpoint(ep)
+
+
+# ---- consumer worker: pulling ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Peer:
+    client: MetadataClient
+    info: PeerInfo
+    ep: Any
+
+
+_GRAVEYARD: collections.deque[torch.Tensor] = collections.deque()
+_GRAVEYARD_LOCK = threading.Lock()
+
+
+def _bury(buffers: Sequence[torch.Tensor]) -> None:
+    """Keep the staging buffers of abandoned receives alive: a cancelled UCX receive should write
+    nothing more, but freed memory that it did write would corrupt whatever is allocated there next."""
+    with _GRAVEYARD_LOCK:
+        _GRAVEYARD.extend(buffers)
+        total = sum(b.numel() for b in _GRAVEYARD)
+        while total > _GRAVEYARD_BYTES and len(_GRAVEYARD) > len(buffers):
+            total -= _GRAVEYARD.popleft().numel()
+
+
+class _Puller:
+    """A consumer worker's pulling half: handshakes (cached per producer address), pulls, releases."""
+
+    def __init__(self, options: UcxOptions, engine: EngineInfo, layout: KVLayout, rt: rtmod.Runtime, stats: UcxStats):
+        self.options, self.engine, self.layout, self.rt, self.stats = options, engine, layout, rt, stats
+        self.info = PeerInfo(engine.engine_id, engine.rank, layout.fingerprint, {WORKER_ADDRESS: rt.worker_address})
+        self._peers: dict[str, _Peer] = {}
+        self._peer_locks: collections.defaultdict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._lock = threading.Lock()
+
+    def _address(self, source: Mapping[str, Any]) -> str:
+        many = source.get("metadata_addresses") or ()
+        if len(many) > self.engine.rank:
+            return str(many[self.engine.rank])
+        if self.engine.rank == 0:
+            return str(source["metadata_address"])
+        raise ProtocolError(f"the producer published no metadata address for rank {self.engine.rank}")
+
+    def _peer(self, address: str) -> _Peer:
+        with self._lock:
+            lock = self._peer_locks[address]
+        with lock:  # one handshake per producer, even with many loads starting at once
+            peer = self._peers.get(address)
+            if peer is not None:
+                return peer
+            client = MetadataClient(address, token=self.options.token, timeout=self.options.timeout_s / 2, retries=1)
+            try:
+                theirs = client.handshake(self.info)
+                ep = self.rt.call(self.rt.connect(theirs.transport[WORKER_ADDRESS]), self.options.timeout_s)
+            except BaseException:
+                client.close()
+                raise
+            peer = self._peers[address] = _Peer(client, theirs, ep)
+            return peer
+
+    def _drop(self, address: str) -> None:
+        with self._lock:
+            lock = self._peer_locks[address]
+        with lock:
+            peer = self._peers.pop(address, None)
+        if peer is not None:
+            self.rt.close_endpoint(peer.ep)
+            peer.client.close()
+
+    def load(self, op: BlockLoad) -> set[int]:
+        """Pull ``op``; return the local block ids that did not arrive. Never raises."""
+        src = op.source or {}
+        arrived = [0]  # blocks (from the first) in place so far, also when the pull fails midway
+        address = ""
+        try:
+            address = self._address(src)
+            self._pull(self._peer(address), op, src, arrived)
+        except Exception as exc:  # noqa: BLE001 - every failure is a failed block, recomputed by the engine
+            log.log(logging.WARNING if isinstance(exc, KVBridgeError) else logging.ERROR,
+                    "%s: pull of %s from %s failed after %d of %d blocks: %s: %s", self.engine.engine_id,
+                    op.request_id, src.get("engine_id"), arrived[0], len(op.block_ids), type(exc).__name__, exc,
+                    exc_info=not isinstance(exc, KVBridgeError))
+            if isinstance(exc, TransferError) and address:
+                self._drop(address)  # a timed-out endpoint may hold stale state: handshake anew next time
+        finally:
+            self._release(address, src, ok=arrived[0] == len(op.block_ids))
+        return set(op.block_ids[arrived[0]:])
+
+    def _release(self, address: str, src: Mapping[str, Any], *, ok: bool) -> None:
+        rid = src.get("remote_request_id")
+        if not address or not rid:
+            return
+        with self._lock:
+            peer = self._peers.get(address)
+        client = peer.client if peer is not None else MetadataClient(address, token=self.options.token,
+                                                                     timeout=self.options.timeout_s / 2, retries=1)
+        try:
+            client.release(self.engine.engine_id, str(rid), aborted=not ok)
+        except KVBridgeError as exc:  # the producer's lease frees the blocks instead
+            log.info("%s: release of %s at %s failed: %s", self.engine.engine_id, rid, address, exc)
+        finally:
+            if peer is None:
+                client.close()
+
+    def _pull(self, peer: _Peer, op: BlockLoad, src: Mapping[str, Any], arrived: list[int]) -> None:
+        """Receive and scatter every chunk, counting the blocks in place in ``arrived[0]``."""
+        layout, timeout = self.layout, self.options.timeout_s
+        remote = np.asarray(src["remote_block_ids"], dtype=np.int64)
+        if len(remote) != len(op.block_ids):
+            raise ProtocolError(f"{len(op.block_ids)} local blocks for {len(remote)} remote ones")
+        if len(remote) > MAX_PULL_IDS:
+            raise ProtocolError(f"{len(remote)} blocks in one pull; at most {MAX_PULL_IDS}")
+        per = max(1, self.options.chunk_bytes // (layout.num_layers * layout.block_bytes))
+        per = max(per, -(-len(remote) // (rtmod.MAX_CHUNKS - 1)))
+        n_chunks = -(-len(remote) // per)
+        serial = self.rt.next_serial()
+        ep, t0 = peer.ep, time.perf_counter()
+        status = np.zeros(STATUS_BYTES, dtype=np.uint8)
+        bufs = [layout.staging(min(per, len(remote))) for _ in range(min(self.options.max_inflight, n_chunks))]
+        futures: dict[int, concurrent.futures.Future[Any]] = {}
+
+        def post(i: int) -> None:  # chunk i (0-based) into its staging buffer
+            n = min(per, len(remote) - i * per)
+            view = _chunk(bufs[i % len(bufs)], layout, n)
+            futures[i] = self.rt.submit(ep.recv(rtmod.as_buffer(view), tag=rtmod.reply_tag(serial, i + 1), force_tag=True))
+
+        def wait(fut: concurrent.futures.Future[Any], what: str) -> None:
+            try:
+                fut.result(timeout)
+            except concurrent.futures.TimeoutError:
+                raise TransferTimeout(f"{what}: nothing from {src['engine_id']} for {timeout:g}s") from None
+
+        status_fut = self.rt.submit(ep.recv(status, tag=rtmod.reply_tag(serial, 0), force_tag=True))
+        try:
+            for i in range(len(bufs)):
+                post(i)
+            pull = _Pull(self.engine.engine_id, self.engine.rank, str(src["remote_request_id"]), remote, per, serial,
+                         float(src.get("expires_at", 0.0)) or time.time() + timeout)
+            tag = int.from_bytes(peer.info.transport[CONTROL_TAG], "little")
+            self.rt.call(ep.send(np.frombuffer(pull.encode(), dtype=np.uint8), tag=tag, force_tag=True), timeout)
+            wait(status_fut, "status")
+            code, chunks, reason = _read_status(status)
+            if code != _OK:
+                raise ProtocolError(f"producer {src['engine_id']} refused the pull: {reason}")
+            if chunks != n_chunks:
+                raise ProtocolError(f"producer announced {chunks} chunks, expected {n_chunks}")
+            for i in range(n_chunks):
+                wait(futures.pop(i), f"chunk {i + 1}/{n_chunks}")
+                n = min(per, len(remote) - i * per)
+                view = _chunk(bufs[i % len(bufs)], layout, n)
+                layout.scatter(op.block_ids[arrived[0]:arrived[0] + n], view)
+                _sync(view)
+                arrived[0] += n
+                if i + len(bufs) < n_chunks:
+                    post(i + len(bufs))
+        finally:
+            pending = [f for f in (status_fut, *futures.values()) if not f.done()]
+            for f in pending:
+                f.cancel()  # cancels the UCX receive, which then writes nothing more
+            if pending:
+                _bury(bufs)
+            nbytes = arrived[0] * layout.num_layers * layout.block_bytes
+            self.stats.add(load_bytes=nbytes, load_blocks=arrived[0], load_seconds=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            self.rt.close_endpoint(peer.ep)
+            peer.client.close()
+
+
+class UcxWorker(WorkerSide):
+    """Worker side: serves pulls of the KV it holds (producer) and/or pulls KV from producers (consumer)."""
+
+    def __init__(self, options: UcxOptions, engine: EngineInfo, stats: UcxStats):
+        self.options = options
+        self.engine = engine
+        self.stats = stats
+        self.rt = rtmod.runtime(options.progress_mode, options.ucx_tls)
+        self.server: _Server | None = None
+        self._puller: _Puller | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._inflight: set[str] = set()
+        self._loaded: set[str] = set()
+        self._failed: set[int] = set()
+        self._saved: set[str] = set()
+        self._holds: set[str] = set()
+
+    @property
+    def metadata_address(self) -> str | None:
+        """Where consumers reach this (producer) worker's metadata server; ``None`` for a consumer."""
+        return self.server.address if self.server is not None else None
+
+    def register(self, layout: KVLayout) -> None:
+        super().register(layout)
+        if self.engine.role in ("producer", "both"):
+            self.server = _Server(self.options, self.engine, layout, self.rt, self.stats)
+        if self.engine.role in ("consumer", "both"):
+            self._puller = _Puller(self.options, self.engine, layout, self.rt, self.stats)
+            self._pool = concurrent.futures.ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix=f"kvbridge-ucx-{self.engine.engine_id}")
+
+    def start_step(self, plan: StepPlan) -> None:
+        self._require_layout()
+        if self.server is not None and plan.extra.get(HOLDS):
+            self.server.hold(plan.extra[HOLDS])
+        with self._lock:
+            for rid in plan.hold_after_load:
+                (self._holds if rid in self._inflight else self._saved).add(rid)
+            if plan.loads and (self._pool is None or self._puller is None):
+                raise ProtocolError(f"{self.engine.engine_id} is a {self.engine.role}: it cannot load")
+            for op in plan.loads:
+                self._inflight.add(op.request_id)
+                assert self._pool is not None
+                self._pool.submit(self._load, op)
+
+    def _load(self, op: BlockLoad) -> None:
+        assert self._puller is not None
+        failed = self._puller.load(op)
+        self.stats.add(loads=1, load_failures=int(bool(failed)), failed_blocks=len(failed))
+        with self._lock:
+            self._inflight.discard(op.request_id)
+            self._loaded.add(op.request_id)
+            self._failed |= failed
+            if op.request_id in self._holds:
+                self._holds.discard(op.request_id)
+                self._saved.add(op.request_id)
+
+    def finish_step(self) -> None:
+        self._require_layout()
+
+    def poll(self) -> WorkerReport:
+        self._check_open()
+        released = self.server.take_finished() if self.server is not None else set()
+        with self._lock:
+            report = WorkerReport(frozenset(self._loaded), frozenset(self._saved | released), frozenset(self._failed))
+            self._loaded.clear()
+            self._saved.clear()
+            self._failed.clear()
+        return report
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no load is in flight (tests, shutdown); ``False`` on timeout."""
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._inflight:
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def close(self) -> None:
+        if not self._closed:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)  # loads end by their deadlines
+            if self._puller is not None:
+                self._puller.close()
+            if self.server is not None:
+                self.server.close()
+        super().close()
+
+
+class UcxBackend(Backend):
+    """The ``ucx`` backend; ``stats`` (:class:`UcxStats`) counts for every side it made."""
+
+    name: ClassVar[str] = "ucx"
+    kind: ClassVar[Literal["store", "peer"]] = "peer"
+    options_type: ClassVar[type[Any]] = UcxOptions
+
+    def __init__(self, options: UcxOptions):
+        super().__init__(options)
+        self.stats = UcxStats()
+
+    def scheduler(self, engine: EngineInfo) -> UcxScheduler:
+        return UcxScheduler(self.options, engine)
+
+    def worker(self, engine: EngineInfo) -> UcxWorker:
+        return UcxWorker(self.options, engine, self.stats)
+
+
+BACKEND = UcxBackend
+
+
+def conformance_target(tmp_path: Path) -> Target:
+    """A producer and a consumer in this process, sharing its UCX runtime; addresses published under ``tmp_path``."""
+    options = UcxOptions(registry_dir=str(Path(tmp_path) / "ucx-registry"), timeout_s=10.0)
+    return Target(UcxBackend(options), UcxBackend(options))
+
+
+__all__ = ["BACKEND", "UcxBackend", "UcxOptions", "UcxScheduler", "UcxStats", "UcxWorker", "conformance_target"]
