@@ -24,7 +24,7 @@ DEFAULT_MATRIX = (
     Point(_8B, 1024),
     Point(_8B, 1024, ids="contiguous"),
     Point(_8B, 1024, block_size=128),
-    Point(_8B, 256, requests=4),
+    Point(_8B, 64, requests=4),
     Point(_70B, 256),
 )
 QUICK_MATRIX = (Point(_8B, 64), Point(_8B, 256), Point(_8B, 64, requests=4))

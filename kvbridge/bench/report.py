@@ -63,14 +63,16 @@ def table(records: Sequence[Record]) -> str:
     head = ("backend", "op", "shape", "tokens", "bs", "ids", "req", "size", "ours", "p99", "baseline", "base", "x time")
     rows: list[tuple[str, ...]] = []
     notes: list[tuple[str, str]] = []
-    seen: set[tuple[str, str, str]] = set()
+    seen: set[tuple[object, ...]] = set()
     for r in records:
         if r.op == "recompute":
             continue
         if not r.measured:
-            if (r.backend, r.op, r.note) not in seen:  # one row, whatever the number of baselines
-                seen.add((r.backend, r.op, r.note))
-                rows.append((r.backend, r.op, *("",) * 10, r.note))
+            key = (r.backend, r.op, r.shape, r.tokens, r.block_size, r.ids, r.requests, r.note)
+            if key not in seen:  # one row, whatever the number of baselines
+                seen.add(key)
+                where = (r.shape, str(r.tokens), str(r.block_size), r.ids[:4], str(r.requests)) if r.op != "-" else ()
+                rows.append((r.backend, r.op, *where, r.note))
             continue
         ours, p99 = _ours(r)
         ratio = f"{r.ratio:.2f}" if r.ratio else "-"
@@ -94,16 +96,21 @@ def recompute_table(records: Sequence[Record]) -> str:
 
 
 def _grid(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    # a row whose third cell is empty is a "not measured" row: its last cell spans the line
-    full = [r for r in rows if len(r) < 3 or r[2]]
-    widths = [max([len(h)] + [len(r[i]) for r in (rows if i < 2 else full)]) for i, h in enumerate(head)]
+    # a row shorter than the header ("not measured") ends with a note that spans the rest of the line
+    full = [r for r in rows if len(r) == len(head)]
+    widths = [
+        max([len(h)] + [len(r[i]) for r in rows if i < len(r) - (len(r) < len(head))]) for i, h in enumerate(head)
+    ]
+    widths = [max([w] + [len(r[i]) for r in full]) for i, w in enumerate(widths)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     for r in rows:
-        if len(r) > 2 and not r[2]:
-            lines.append(f"{r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[-1]}")
-        else:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        cells = (
+            [c.ljust(w) for c, w in zip(r[:-1], widths)] + [r[-1]]
+            if len(r) < len(head)
+            else [c.ljust(w) for c, w in zip(r, widths)]
+        )
+        lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 
 
