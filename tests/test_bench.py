@@ -35,7 +35,7 @@ def test_bench_cli_writes_complete_records(bench_json, capsys):
             assert rec["note"].startswith("not measured"), rec
             continue
         assert rec["median_s"] > 0 and rec["baseline_s"] and rec["baseline_s"] > 0, rec
-        assert rec["ratio"] == pytest.approx(rec["median_s"] / rec["baseline_s"]), rec
+        assert rec["ratio"] == pytest.approx(rec["baseline_s"] / rec["median_s"]), rec
         if rec["op"] in MOVES:
             assert rec["gbps"] > 0 and rec["baseline_gbps"] > 0 and rec["bytes"] > 0, rec
 

@@ -98,7 +98,7 @@ def measure(args: argparse.Namespace) -> list[Record]:
 def run(args: argparse.Namespace) -> int:
     records = measure(args)
     shapes = ", ".join(f"{s.name} = {s.bytes_per_token >> 10} KiB/token" for s in SHAPES.values() if s.name != "tiny")
-    print(f"kvbridge bench ({shapes}; x time = ours/baseline in time: 1.00 = as fast as the raw medium)\n")
+    print(f"kvbridge bench ({shapes}; ratio = ours/baseline in throughput: 1.00 = as fast as the raw medium)\n")
     print(table(records))
     rc = recompute_table(records)
     if rc:

@@ -117,7 +117,8 @@ def time_reps(
 
 @dataclasses.dataclass
 class Record:
-    """One measured figure beside its baseline. ``ratio`` is ours/baseline in time (2.0: twice as slow).
+    """One measured figure beside its baseline. ``ratio`` is ours/baseline in throughput (baseline time / our time): 1.0 is as fast
+    as the raw medium, 0.5 half as fast.
 
     A case that could not run has ``median_s=None`` and says why in ``note`` ("not measured: ...").
     For ``sched_step`` the times are per request per step and ``gbps`` is ``None``.
@@ -183,7 +184,7 @@ def make_record(
         baseline=baseline,
         baseline_s=base_med,
         baseline_gbps=gbps(point.nbytes, base_med) if moves_bytes else None,
-        ratio=med / base_med if med and base_med else None,
+        ratio=base_med / med if med and base_med else None,
         block_size=point.block_size,
         ids=point.ids,
         requests=point.requests,

@@ -59,8 +59,8 @@ def _base(r: Record) -> str:
 
 
 def table(records: Sequence[Record]) -> str:
-    """The measurement table: ours beside the baseline, and ``x time`` = ours/baseline in time."""
-    head = ("backend", "op", "shape", "tokens", "bs", "ids", "req", "size", "ours", "p99", "baseline", "base", "x time")
+    """The measurement table: ours beside the baseline, and ``ratio`` = ours/baseline in throughput."""
+    head = ("backend", "op", "shape", "tokens", "bs", "ids", "req", "size", "ours", "p99", "baseline", "base", "ratio")
     rows: list[tuple[str, ...]] = []
     notes: list[tuple[str, str]] = []
     seen: set[tuple[object, ...]] = set()
@@ -86,7 +86,7 @@ def table(records: Sequence[Record]) -> str:
 
 def recompute_table(records: Sequence[Record]) -> str:
     """Transfer vs recompute: transfer time beside the prefill time of the same tokens, and the break-even."""
-    head = ("backend", "shape", "tokens", "transfer GB/s", "transfer ms", "prefill ms", "transfer/prefill", "")
+    head = ("backend", "shape", "tokens", "transfer GB/s", "transfer ms", "prefill ms", "prefill/transfer", "")
     rows = [
         (r.backend, r.shape, str(r.tokens), f"{r.gbps:.2f}", f"{(r.median_s or 0) * 1e3:.1f}",
          f"{(r.baseline_s or 0) * 1e3:.1f} ({r.baseline})", f"{r.ratio:.3f}", r.note)
