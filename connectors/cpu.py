@@ -184,6 +184,9 @@ class CpuPool(BlockStore):
         self.pool: torch.Tensor | None = None
         self._tags: list[bytes | None] = []
         self._stream: Any = None  # the loads' own CUDA stream
+        self._words: list[tuple[Any, Any]] | None = None  # per layer: (KV, pool) as rows of int32 words
+        # (the targets of index_copy_ on the CPU)
+        self._typed: list[torch.Tensor] = []  # per layer: the pool as [slots, *block_shape] of the KV dtype
 
     def attach(self, layout: KVLayout) -> None:
         slot_bytes = layout.num_layers * layout.block_bytes
@@ -196,6 +199,12 @@ class CpuPool(BlockStore):
         self._tags = [None] * num_slots
         if pin:
             self._stream = torch.cuda.Stream(layout.device)
+        self._words = None
+        if layout.device.type == "cpu":
+            kv = [_words(v) for v in layout.layers]
+            if all(w is not None for w in kv):
+                self._words = list(zip(kv, (_words(self.pool[i]) for i in range(layout.num_layers))))
+                self._typed = [p.view(layout.dtype).view(num_slots, *layout.block_shape) for p in self.pool]
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         raise KVBridgeError("cpu: contains_prefix() is answered by the scheduler side (CpuIndex)")
@@ -217,6 +226,15 @@ class CpuPool(BlockStore):
             self._stream.wait_stream(torch.cuda.default_stream(layout.device))
             with torch.cuda.stream(self._stream):
                 _copy_in(pool, slots[:n], op.block_ids[:n], layout)
+        elif n and self._words is not None:
+            ids, slot_runs = layout.check_ids(op.block_ids[:n]), coalesce(slots[:n])
+            at = torch.as_tensor(slots[:n])
+            for layer, (kv, _) in enumerate(self._words):
+                if len(slot_runs) == 1:
+                    src = pool[layer, slot_runs[0][0] : slot_runs[0][0] + n]
+                else:  # a typed dim-0 select: torch's uint8 select over the pool's slot axis crawls
+                    src = self._typed[layer].index_select(0, at)
+                kv.index_copy_(0, ids, src.view(torch.uint8).view(n, -1).view(torch.int32))
         elif n:
             _copy_in(pool, slots[:n], op.block_ids[:n], layout)
         return op.block_ids[n:]
@@ -229,7 +247,11 @@ class CpuPool(BlockStore):
         for slot in slots:  # invalid until the copy is complete
             self._tags[slot] = None
         slot_runs = coalesce(slots)
-        if len(slot_runs) == 1 and layout.device.type == "cpu":  # gather straight into the pool: one copy
+        if self._words is not None and len(slot_runs) > 1:
+            staging, at = layout.gather(op.block_ids), torch.as_tensor(slots)
+            for layer, (_, slab) in enumerate(self._words):
+                slab.index_copy_(0, at, staging[layer].view(torch.int32))
+        elif len(slot_runs) == 1 and layout.device.type == "cpu":  # gather straight into the pool: one copy
             ids = layout.check_ids(op.block_ids)
             runs = coalesce(op.block_ids)
             start, n = slot_runs[0]
@@ -246,6 +268,23 @@ class CpuPool(BlockStore):
 
     def close(self) -> None:
         self.pool = None
+
+
+def _words(blocks: torch.Tensor) -> torch.Tensor | None:
+    """``blocks`` ([n, ...], each block one contiguous stretch) as ``[n, words]`` of int32, or ``None``.
+
+    Why: on the CPU, torch's ``index_copy_`` into rows of 4-byte words runs ~1.3-2x faster than into
+    a 4-d bf16 block view (measured here); ``index_select`` is the other way round, so gathers keep
+    the layout's typed views. Layouts whose blocks are not contiguous (``kv_first``: K and V apart)
+    keep the layout's own ops throughout.
+    """
+    row = blocks[0].numel() * blocks.element_size()
+    if row % 4 or not blocks[0].is_contiguous() or blocks.stride(0) * blocks.element_size() < row:
+        return None
+    try:
+        return blocks.view(torch.uint8).view(blocks.shape[0], row).view(torch.int32)
+    except RuntimeError:  # strides that no view can express
+        return None
 
 
 def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], layout: KVLayout) -> None:
