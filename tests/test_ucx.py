@@ -1,0 +1,272 @@
+"""The ``ucx`` peer backend between processes: bit-exact pulls, a producer killed mid-transfer, leases,
+two consumers at once, a refused layout. The conformance suite (tests/test_conformance.py -k ucx) covers
+the contract with both engines in one process.
+
+The producer runs in its own process (tests/ucx_peer.py) with a Llama-3-8B-shaped KV cache (32 layers,
+8 KV heads, head size 128, bf16, block size 16: 2 MiB per block); the consumer runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
+
+from kvbridge.connectors import _ucx_runtime  # noqa: E402
+from kvbridge.connectors.ucx import UcxBackend, UcxOptions, UcxWorker  # noqa: E402
+
+import kvbridge  # noqa: E402
+from kvbridge.contract import WorkerReport  # noqa: E402
+from kvbridge.errors import ConfigError  # noqa: E402
+from kvbridge.testing import MiniEngine  # noqa: E402
+
+PEER = Path(__file__).with_name("ucx_peer.py")
+GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16, "dtype": torch.bfloat16}
+
+
+class Producer:
+    """A producer engine in another process (tests/ucx_peer.py), driven by JSON lines."""
+
+    def __init__(self, out: Path, *args: str):
+        out.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PEER.parent), os.environ.get("PYTHONPATH")]))}
+        self.out = out
+        self.proc = subprocess.Popen([sys.executable, str(PEER), str(out), *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env, text=True)
+        assert self._read()["ready"]
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"producer exited (rc {self.proc.poll()})"
+        return dict(json.loads(line))
+
+    def ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def prefill(self, rid: str, tokens: int, seed: int) -> dict[str, Any]:
+        return dict(self.ask(op="prefill", rid=rid, tokens=tokens, seed=seed)["params"])
+
+    def sent(self, rid: str) -> torch.Tensor:
+        return torch.load(self.out / f"{rid}.pt")
+
+    def wait_freed(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.ask(op="held")["held"]:
+            assert time.monotonic() < deadline, "producer still holds blocks"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask(op="quit")
+            except (AssertionError, OSError):
+                pass
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 32000, n).tolist()
+
+
+def _consumer(tmp: Path, engine_id: str = "consumer", num_blocks: int = 72, layers: int = 32, **options: Any) -> MiniEngine:
+    opts = UcxOptions(registry_dir=str(tmp / "registry-c"), **options)
+    return MiniEngine(UcxBackend(opts), engine_id=engine_id, role="consumer", num_blocks=num_blocks, seed=2,
+                      **{**GEOMETRY, "num_layers": layers})
+
+
+def _load_only(engine: MiniEngine, rid: str, tokens: list[int], params: dict[str, Any], timeout: float) -> tuple[list[int], WorkerReport]:
+    """The consumer's part of a prefill up to the load's report (no compute afterwards): its blocks, the report."""
+    req = engine.request(rid, tokens, params)
+    n = engine.scheduler.lookup(req, 0).num_tokens
+    assert n > 0
+    ids = engine.allocate(-(-len(tokens) // engine.block_size))
+    engine.scheduler.on_allocated(req, ids, n)
+    engine.worker.start_step(engine.scheduler.plan_step([]))
+    engine.worker.finish_step()
+    reports = engine.wait_for(lambda r: rid in r.finished_loading, timeout)
+    return ids, WorkerReport.merge(reports)
+
+
+@pytest.fixture(scope="module")
+def producer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Producer]:
+    p = Producer(tmp_path_factory.mktemp("ucx-producer"), "--num-blocks", "136")
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="timeout_s"):
+        kvbridge.create_backend("ucx", {"timeout_s": "0"})
+    with pytest.raises(ConfigError, match="unknown"):
+        kvbridge.create_backend("ucx", {"chunk_byte": 1})
+    backend = kvbridge.create_backend("ucx", {"chunk_bytes": "8388608", "progress_mode": "blocking"})
+    assert backend.kind == "peer" and backend.options.chunk_bytes == 8 << 20
+
+
+def test_cma_is_excluded_unless_chosen() -> None:
+    rt = _ucx_runtime.runtime()
+    if "UCX_TLS" not in os.environ or os.environ["UCX_TLS"] == _ucx_runtime.DEFAULT_TLS:
+        assert rt.tls == _ucx_runtime.DEFAULT_TLS
+
+        async def transports() -> set[str]:
+            return set(_ucx_runtime.ucx.get_active_transports())
+
+        assert "cma" not in rt.call(transports(), 5.0)
+
+
+def test_scattered_blocks_arrive_bit_exact_across_processes(producer: Producer, tmp_path: Path) -> None:
+    params = producer.prefill("exact", 1000, seed=11)
+    assert len(params["block_ids"]) == 62 and params["num_tokens"] == 62 * 16
+    consumer = _consumer(tmp_path)
+    try:
+        got = consumer.prefill("exact-c", _tokens(1000, 11), params, timeout=30)
+        assert got.loaded_tokens == 62 * 16 and got.failed_blocks == [] and len(got.loaded_blocks) == 62
+        assert sorted(got.block_ids[:62]) != got.block_ids[:62]  # scattered ids on the consumer too
+        assert torch.equal(got.snapshot[:, :62], producer.sent("exact"))  # what left the producer
+        assert torch.equal(got.snapshot[:, :62], consumer.expected(got.keys[:62]))  # what the engine computes
+        stats = consumer.worker.stats  # type: ignore[attr-defined]
+        assert stats.load_bytes == 62 * 2 * 2**20 and stats.failed_blocks == 0
+        producer.wait_freed()  # the consumer's release reached the producer
+    finally:
+        consumer.close()
+
+
+def test_two_consumers_pull_from_one_producer_at_once(producer: Producer, tmp_path: Path) -> None:
+    params = {rid: producer.prefill(rid, 500, seed=20 + i) for i, rid in enumerate(("two-a", "two-b"))}
+    consumers = {rid: _consumer(tmp_path, engine_id=f"consumer-{rid}", num_blocks=40) for rid in params}
+    results: dict[str, Any] = {}
+
+    def run(rid: str) -> None:
+        results[rid] = consumers[rid].prefill(f"{rid}-c", _tokens(500, 20 + list(params).index(rid)), params[rid], timeout=30)
+
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in params]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for rid, got in results.items():
+            assert got.failed_blocks == [] and len(got.loaded_blocks) == 31
+            assert torch.equal(got.snapshot[:, :31], producer.sent(rid))
+        assert len(results) == 2
+        producer.wait_freed()
+    finally:
+        for c in consumers.values():
+            c.close()
+
+
+def test_layout_mismatch_is_refused_at_handshake(producer: Producer, tmp_path: Path) -> None:
+    params = producer.prefill("mismatch", 200, seed=30)
+    opts = UcxOptions(registry_dir=str(tmp_path / "registry-c"))
+    consumer = MiniEngine(UcxBackend(opts), engine_id="consumer-64", role="consumer", num_blocks=16, seed=2,
+                          **{**GEOMETRY, "head_size": 64})
+    try:
+        t0 = time.monotonic()
+        ids, report = _load_only(consumer, "mismatch-c", _tokens(200, 30), params, timeout=10)
+        assert time.monotonic() - t0 < 5  # refused, not timed out
+        assert report.failed_blocks == set(ids[:12])
+        assert not consumer.read(ids).any()  # the KV was never written
+        producer.wait_freed()  # an aborted release frees the producer's blocks at once
+    finally:
+        consumer.close()
+
+
+def test_producer_killed_mid_transfer(tmp_path: Path) -> None:
+    """SIGKILL during a pull: the blocks that arrived are exact, the rest fail within the deadline, we live on."""
+    p = Producer(tmp_path / "slow", "--slow", "0.4", "--num-blocks", "24", "--layers", "8")  # 512 KiB blocks
+    consumer = _consumer(tmp_path, num_blocks=24, layers=8, timeout_s=2.0, chunk_bytes=1 << 20)  # 2 blocks per chunk
+    try:
+        params = p.prefill("killed", 20 * 16 + 5, seed=40)
+        sent = p.sent("killed")
+        out: dict[str, Any] = {}
+        loader = threading.Thread(target=lambda: out.update(r=_load_only(consumer, "killed-c", _tokens(325, 40), params, 30)))
+        loader.start()
+        deadline = time.monotonic() + 20
+        while not (p.out / "gathered.4").exists():
+            assert time.monotonic() < deadline, "the pull never started"
+            time.sleep(0.01)
+        p.proc.kill()
+        killed_at = time.monotonic()
+        loader.join(30)
+        assert not loader.is_alive()
+        assert time.monotonic() - killed_at < 2.0 + 3.0  # timeout_s, plus a failed release and slack
+        ids, report = out["r"]
+        failed = sorted(report.failed_blocks)
+        arrived = [b for b in ids[:20] if b not in report.failed_blocks]
+        assert failed and len(arrived) >= 2  # some chunks came, the rest did not
+        assert arrived == ids[: len(arrived)]  # a prefix, as the engine recomputes from the first failure
+        assert torch.equal(consumer.read(arrived), sent[:, : len(arrived)])
+        assert not consumer.read(failed).any()  # nothing half-written into the failed blocks
+        assert consumer.worker.stats.failed_blocks == len(failed)  # type: ignore[attr-defined]
+    finally:
+        consumer.close()
+        p.close()
+
+
+def test_consumer_never_comes_lease_frees(tmp_path: Path) -> None:
+    backend = UcxBackend(UcxOptions(registry_dir=str(tmp_path / "reg"), lease_s=0.5))
+    producer = MiniEngine(backend, engine_id="lonely", role="producer", seed=1)
+    consumer = MiniEngine(UcxBackend(UcxOptions(registry_dir=str(tmp_path / "reg"))), engine_id="late", role="consumer", seed=2)
+    try:
+        tokens = _tokens(3 * 16 + 1, seed=50)
+        sent = producer.prefill("lease", tokens)
+        assert sent.finish.delay_free and producer.held
+        producer.wait_for(lambda _r: not producer.held, timeout=5)
+        assert "lease" in producer.freed_late and backend.stats.expired_leases == 1
+        # a consumer arriving after the lease is a miss (lookup) or, racing it, a refused pull — never stale blocks
+        params = dict(sent.finish.transfer_params or {}, expires_at=time.time() + 60)
+        t0 = time.monotonic()
+        ids, report = _load_only(consumer, "late-c", tokens, params, timeout=10)
+        assert time.monotonic() - t0 < 3 and report.failed_blocks == set(ids[:3])
+        assert backend.stats.refused_pulls == 1
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_release_before_the_plan_is_remembered(tmp_path: Path) -> None:
+    """The consumer pulls and releases before the producer's next step tells its worker the request is held."""
+    options = UcxOptions(registry_dir=str(tmp_path / "reg"))
+    producer = MiniEngine(UcxBackend(options), engine_id="p", role="producer", seed=1)
+    consumer = MiniEngine(UcxBackend(options), engine_id="c", role="consumer", seed=2)
+    try:
+        tokens = _tokens(4 * 16 + 2, seed=60)
+        sent = producer.prefill("early", tokens)
+        got = consumer.prefill("early-c", tokens, sent.finish.transfer_params)
+        assert got.failed_blocks == [] and torch.equal(got.snapshot[:, :4], sent.snapshot[:, :4])
+        report = producer.pump()  # the hold reaches the worker now; the release is already there
+        assert "early" in report.finished_saving and not producer.held
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_worker_is_a_ucx_worker(tmp_path: Path) -> None:
+    engine = MiniEngine(UcxBackend(UcxOptions(registry_dir=str(tmp_path))), engine_id="w", role="both")
+    try:
+        assert isinstance(engine.worker, UcxWorker) and engine.worker.metadata_address
+    finally:
+        engine.close()
