@@ -1,0 +1,553 @@
+"""``lmcache`` — LMCache's storage backends as one more kvbridge tier (``pip install 'kvbridge[lmcache]'``).
+
+kvbridge drives an LMCache ``StorageManager`` (LMCache 0.5.6) directly — no LMCache engine, no GPU
+connector — so its local CPU arena, its local disk tier and its remote stores (the ``lm://`` server,
+``redis://``, …: any ``remote_url`` LMCache understands) hold kvbridge blocks. It works alone or as a
+tier of ``chain`` (e.g. ``cpu`` then ``lmcache``).
+
+**What is shared with whom.** One ``StorageManager`` per process per set of options: every store of
+this backend in a process with equal options (the scheduler side and the worker side of an engine,
+several engines in a test) uses it, reference-counted, and the last one to close closes it. Its CPU
+arena and its disk tier are private to that manager: LMCache indexes disk objects in memory, so
+another process (or a restart) never sees them. Only a **remote** tier is shared across processes,
+and it is what makes this backend a hand-off between engines; with the scheduler and the worker in
+different processes (vLLM), a lookup sees a block only once it reached the remote tier. Without a
+``remote_url`` the backend is an offload tier for one process.
+
+**Objects.** One LMCache object per kvbridge block, keyed ``CacheEngineKey(model, world_size, rank,
+chunk_hash, uint8)`` where ``model`` is ``<model_name>-<sha256(namespace)[:16]>`` (safe for LMCache's
+``@``/``%``-separated key string and its 150-character limit whatever the namespace) and
+``chunk_hash`` is the block key (hashed to 32 bytes when longer). The value is a uint8 tensor
+``[1, 1, 1, HEADER_BYTES + num_layers * block_bytes]``: a :data:`HEADER_BYTES` header (:data:`MAGIC`,
+format version, checksum kind, the payload's checksum and length, the layout fingerprint's digest
+and a digest of the full block key), then the block's bytes in every layer. A reader checks all of
+it before a byte reaches the KV cache; an object that fails is a failed block (``stats.corrupt``),
+and a damaged one is dropped from the tiers that can delete (CPU, disk; the ``lm://`` server cannot).
+Objects of another layout or format version are left alone.
+
+**Saves** gather all blocks of the op in one vectorized copy, copy each block's slab into an object
+allocated from LMCache's CPU arena (LMCache's API is per object), ``batched_put`` them, and wait —
+bounded by ``timeout_s`` — until the disk and remote writes are done, so a consumer can see them
+when the save returns. A full arena (nothing evictable) saves what fit and raises
+:class:`~kvbridge.errors.StoreFull` for the rest, never waits; a remote tier that is down or dropped
+writes fails the save (:class:`~kvbridge.errors.PeerUnreachable`); both are counted by the worker.
+
+**Loads** find each key's tier (stopping at the first miss), ``batched_get`` each run of keys from
+its tier, validate, and write the blocks that passed in one ``layout.scatter``; every object LMCache
+hands out is released (``ref_count_down``) whatever happens.
+
+**Failures.** A dead remote is a miss for lookups and failed blocks for loads, never a hang: kvbridge
+sets ``timeout_s`` on the ``lm://`` socket, drops a connection whose peer closed it, and reconnects at
+most every ``reconnect_s`` (a bare LMCache ``StorageManager`` never does). Calls into one manager are
+serialized (the ``lm://`` client multiplexes one socket without framing its replies).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import hashlib
+import importlib.util
+import logging
+import math
+import os
+import re
+import select
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
+from kvbridge.errors import ClosedError, ConfigError, MissingDependency, PeerUnreachable, StoreFull, TransferTimeout
+from kvbridge.layout import KVLayout
+from kvbridge.options import require
+from kvbridge.store import BlockStore, StoreBackend
+from kvbridge.testing.engine import Target
+
+_HINT = "pip install 'kvbridge[lmcache]'"
+# find_spec costs nothing (importing LMCache takes 3-10 s): `kvbridge backends` stays fast, and tells the truth
+if importlib.util.find_spec("lmcache") is None:
+    raise MissingDependency(f"the lmcache backend needs LMCache: {_HINT}")
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVBRLM\r\n"
+VERSION = 1
+HEADER_BYTES = 64  # keeps the payload 8-byte aligned
+_HEADER = struct.Struct("<8sHHIQ16s16s")  # magic, version, checksum kind, checksum, payload len, fingerprint, key digest
+_CHECKSUMS = {"crc32": 1, "crc32c": 2}
+_KEY_LIMIT = 150  # LMCache asserts on longer key strings
+_MAX_HASH = 32  # longer block keys are hashed to this many bytes (the header keeps a digest of the full key)
+_MODEL_NAME = re.compile(r"[A-Za-z0-9._-]{1,40}")
+_REMOTE = "RemoteBackend"
+_CPU = "LocalCPUBackend"
+_DELETABLE = ("LocalCPUBackend", "LocalDiskBackend")
+
+
+@dataclasses.dataclass(frozen=True)
+class LMCacheOptions:
+    """Which LMCache tiers hold the blocks, and how long to wait for them.
+
+    ``remote_url``: an LMCache remote (``lm://host:port``, ``redis://host:port``, …); the only tier
+    shared across processes. ``local_cpu_bytes``: LMCache's CPU arena, allocated up front; every
+    object passes through it, so it must hold at least one block (the saves of one step are put in
+    batches that fit). ``cpu_cache``: also keep saved and loaded blocks in that arena (a hot tier,
+    LRU-evicted); off, it is only a staging buffer. ``local_disk`` + ``local_disk_bytes``: a disk tier
+    in that directory (private to the process). ``model_name``: a readable label in every LMCache key
+    (the namespace digest follows it). ``timeout_s``: the longest a save waits for its writes, and a
+    remote call for its reply. ``reconnect_s``: how often to retry a remote that went away.
+    ``checksum``: ``crc32`` or ``crc32c`` (``pip install google-crc32c``).
+    """
+
+    remote_url: str = ""
+    local_cpu_bytes: int = 1 << 30
+    cpu_cache: bool = True
+    local_disk: str = ""
+    local_disk_bytes: int = 0
+    model_name: str = "kvbridge"
+    timeout_s: float = 30.0
+    reconnect_s: float = 10.0
+    checksum: Literal["crc32", "crc32c"] = "crc32"
+
+    def __post_init__(self) -> None:
+        require(
+            not self.remote_url or re.match(r"[a-z][a-z0-9+.-]*://", self.remote_url) is not None,
+            f"lmcache option 'remote_url' must look like lm://host:port, got {self.remote_url!r}",
+        )
+        require(self.local_cpu_bytes >= 1 << 20, f"lmcache option 'local_cpu_bytes' must be >= 1 MiB, got {self.local_cpu_bytes}")
+        require(
+            "," not in self.local_disk,  # LMCache reads the path as a comma-separated list
+            f"lmcache option 'local_disk' must be one directory, got {self.local_disk!r}",
+        )
+        require(
+            (self.local_disk_bytes > 0) == bool(self.local_disk),
+            "lmcache options 'local_disk' and 'local_disk_bytes' (> 0) go together",
+        )
+        require(
+            _MODEL_NAME.fullmatch(self.model_name) is not None,
+            f"lmcache option 'model_name' must be 1-40 of [A-Za-z0-9._-], got {self.model_name!r}",
+        )
+        require(self.timeout_s > 0, f"lmcache option 'timeout_s' must be > 0, got {self.timeout_s}")
+        require(self.reconnect_s >= 0, f"lmcache option 'reconnect_s' must be >= 0, got {self.reconnect_s}")
+
+
+# -- LMCache, imported once and lazily -------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _LMCache:
+    CacheEngineKey: Any
+    Config: Any
+    EventManager: Any
+    KV_2LTD: Any
+    Metadata: Any
+    StorageManager: Any
+
+
+_LIB: _LMCache | None = None
+
+
+def _lmcache() -> _LMCache:
+    global _LIB
+    if _LIB is None:
+        for name, value in (("LMCACHE_TRACK_USAGE", "false"), ("DO_NOT_TRACK", "1"), ("LMCACHE_LOG_LEVEL", "WARNING")):
+            os.environ.setdefault(name, value)  # LMCache reads these when imported
+        try:
+            from lmcache.utils import CacheEngineKey
+            from lmcache.v1.config import LMCacheEngineConfig
+            from lmcache.v1.event_manager import EventManager
+            from lmcache.v1.memory_management import MemoryFormat
+            from lmcache.v1.metadata import LMCacheMetadata
+            from lmcache.v1.storage_backend.storage_manager import StorageManager
+        except ImportError as exc:
+            raise MissingDependency(f"LMCache is installed but does not import ({exc}); {_HINT}") from exc
+        _LIB = _LMCache(CacheEngineKey, LMCacheEngineConfig, EventManager, MemoryFormat.KV_2LTD, LMCacheMetadata, StorageManager)
+    return _LIB
+
+
+# -- one StorageManager per process per options ----------------------------------------------------
+def _socket_of(connection: Any) -> socket.socket | None:
+    """The ``lm://`` client's socket (LMCache wraps the connector in an instrumented one), if any."""
+    for conn in (connection, getattr(connection, "_connector", None)):
+        sock = getattr(conn, "client_socket", None)
+        if isinstance(sock, socket.socket):
+            return sock
+    return None
+
+
+class _Manager:
+    """A ``StorageManager``, its users, the lock that serializes calls into it, remote upkeep."""
+
+    def __init__(self, options: LMCacheOptions):
+        lib = _lmcache()
+        self.options = options
+        disk = {}
+        if options.local_disk:
+            Path(options.local_disk).mkdir(parents=True, exist_ok=True)
+            disk = {"local_disk": os.path.join(options.local_disk, ""), "max_local_disk_size": options.local_disk_bytes / 2**30}
+        config = lib.Config.from_defaults(
+            local_cpu=options.cpu_cache,
+            max_local_cpu_size=options.local_cpu_bytes / 2**30,
+            remote_url=options.remote_url or None,
+            remote_serde="naive",  # bytes as they are: kvbridge blocks are opaque to LMCache
+            blocking_timeout_secs=max(1, math.ceil(options.timeout_s)),
+            **disk,
+        )
+        metadata = lib.Metadata(
+            model_name=options.model_name, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+            kv_dtype=torch.uint8, kv_shape=(1, 1, 1, 1, 1),  # a sizing hint only, on this path
+        )
+        self.sm = lib.StorageManager(config, metadata, lib.EventManager())
+        self.lock = threading.Lock()
+        self.users = 0
+        self._next_connect = 0.0
+        self._arm_socket()
+
+    @property
+    def remote(self) -> Any:
+        return self.sm.storage_backends.get(_REMOTE)
+
+    def _arm_socket(self) -> None:
+        remote = self.remote
+        sock = _socket_of(getattr(remote, "connection", None))
+        if sock is not None:  # a blocking recv without a timeout hangs LMCache's loop on a stalled server
+            sock.settimeout(self.options.timeout_s)
+
+    def check_remote(self) -> bool:
+        """Before a call (with :attr:`lock` held): drop a dead ``lm://`` connection, retry a missing one
+        (at most every ``reconnect_s``). Whether a remote connection is up now."""
+        remote = self.remote
+        if remote is None:
+            return False
+        sock = _socket_of(remote.connection)
+        if sock is not None:
+            try:  # between calls nothing may be readable: EOF (peer gone) or stray bytes both end the stream
+                if select.select([sock], [], [], 0)[0]:
+                    raise OSError(f"lmcache remote {self.options.remote_url}: connection closed or out of step")
+            except (OSError, ValueError) as exc:
+                log.warning("%s; reconnecting at most every %ss", exc, self.options.reconnect_s)
+                with contextlib.suppress(OSError):
+                    sock.close()
+                remote.connection = None
+                self._next_connect = time.monotonic() + self.options.reconnect_s
+        if remote.connection is None and time.monotonic() >= self._next_connect:
+            self._next_connect = time.monotonic() + self.options.reconnect_s
+            remote.failure_time = -1e9  # LMCache's own back-off would refuse to retry
+            remote.init_connection()
+            self._arm_socket()
+        return remote.connection is not None
+
+    def drain(self, keys: Sequence[Any]) -> None:
+        """Wait until no tier still writes ``keys`` (LMCache's puts to disk and remote are fire-and-forget)."""
+        deadline = time.monotonic() + self.options.timeout_s
+        pause = 0.0002
+        for backend in self.sm.storage_backends.values():
+            for key in keys:
+                while backend.exists_in_put_tasks(key):
+                    if time.monotonic() > deadline:
+                        raise TransferTimeout(f"lmcache: {backend} still writing after {self.options.timeout_s}s")
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.005)
+
+    def close(self) -> None:
+        self.sm.close()  # stops and joins LMCache's (non-daemon) event-loop thread
+
+
+_MANAGERS: dict[LMCacheOptions, _Manager] = {}
+_MANAGERS_LOCK = threading.Lock()
+
+
+def _acquire(options: LMCacheOptions) -> _Manager:
+    with _MANAGERS_LOCK:
+        manager = _MANAGERS.get(options)
+        if manager is None:
+            manager = _MANAGERS[options] = _Manager(options)
+        manager.users += 1
+        return manager
+
+
+def _release(manager: _Manager) -> None:
+    with _MANAGERS_LOCK:
+        manager.users -= 1
+        if manager.users > 0:
+            return
+        _MANAGERS.pop(manager.options, None)
+    manager.close()
+
+
+def _close_all() -> None:
+    """Safety net at exit: a manager left open keeps a non-daemon thread that would hang the interpreter."""
+    with _MANAGERS_LOCK:
+        managers = list(_MANAGERS.values())
+        _MANAGERS.clear()
+    for manager in managers:
+        with contextlib.suppress(Exception):
+            manager.close()
+
+
+# threading joins non-daemon threads *before* atexit handlers run; its own hook runs before that join
+getattr(threading, "_register_atexit", atexit.register)(_close_all)
+
+
+# -- object format ---------------------------------------------------------------------------------
+def _checksum(kind: int, data: np.ndarray) -> int:
+    if kind == 2:
+        import google_crc32c
+
+        return int(google_crc32c.value(data))
+    return zlib.crc32(data.data)
+
+
+def _have_crc32c() -> bool:
+    return importlib.util.find_spec("google_crc32c") is not None
+
+
+def _key_digest(key: bytes) -> bytes:
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous-rows uint8 tensor as int64 words where size and alignment allow (faster copies)."""
+    if t.shape[-1] % 8 == 0 and t.data_ptr() % 8 == 0 and t.stride(-1) == 1:
+        return t.view(torch.int64)
+    return t
+
+
+class _Invalid(Exception):
+    """An object failed validation; ``damaged`` ones are dropped, foreign ones left alone."""
+
+    def __init__(self, reason: str, *, damaged: bool):
+        super().__init__(reason)
+        self.damaged = damaged
+
+
+class LMCacheStore(BlockStore):
+    """One engine side's view of its (shared) LMCache ``StorageManager``. See the module docstring."""
+
+    def __init__(self, engine: EngineInfo, options: LMCacheOptions):
+        super().__init__(engine)
+        self.options = options
+        self._lib = _lmcache()
+        self._model = f"{options.model_name}-{hashlib.sha256(engine.namespace.encode()).hexdigest()[:16]}"
+        longest = self._lib.CacheEngineKey(self._model, engine.world_size, engine.rank, bytes(_MAX_HASH), torch.uint8)
+        if len(longest.to_string()) > _KEY_LIMIT:
+            raise ConfigError(f"lmcache keys of {self._model!r} would exceed LMCache's {_KEY_LIMIT} characters")
+        self._kind = _CHECKSUMS[options.checksum]
+        self._manager: _Manager | None = _acquire(options)
+
+    @property
+    def storage_manager(self) -> Any:
+        """The LMCache ``StorageManager`` behind this store (shared; for diagnostics and tests)."""
+        return self._open().sm
+
+    def lmcache_key(self, key: bytes) -> Any:
+        """The LMCache ``CacheEngineKey`` that holds block ``key`` of this engine's namespace and rank."""
+        chunk = key if 0 < len(key) <= _MAX_HASH else hashlib.blake2b(key, digest_size=_MAX_HASH).digest()
+        return self._lib.CacheEngineKey(self._model, self.engine.world_size, self.engine.rank, chunk, torch.uint8)
+
+    def _open(self) -> _Manager:
+        if self._manager is None:
+            raise ClosedError("lmcache store is closed")
+        return self._manager
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[_Manager]:
+        manager = self._open()
+        with manager.lock:
+            manager.check_remote()
+            yield manager
+
+    # -- scheduler side ----------------------------------------------------------------------------
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        with self._session() as m:
+            for key in keys:
+                if m.sm.contains(self.lmcache_key(key)) is None:  # LMCache answers a failed remote as a miss
+                    break
+                n += 1
+        return n
+
+    # -- worker side -------------------------------------------------------------------------------
+    def attach(self, layout: KVLayout) -> None:
+        size = HEADER_BYTES + layout.num_layers * layout.block_bytes
+        if size > self.options.local_cpu_bytes or size >= 1 << 31:
+            raise ConfigError(
+                f"lmcache: one block object is {size} bytes; local_cpu_bytes={self.options.local_cpu_bytes} "
+                "must hold at least one (and LMCache's wire format stays under 2 GiB)"
+            )
+
+    def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
+        keys = [self.lmcache_key(k) for k in op.keys]
+        objs: list[Any] = []
+        staging = self._host_staging(layout, len(keys))
+        good = 0
+        with self._session() as m:
+            try:
+                where = []
+                for key in keys:  # a prefix: the engine recomputes from the first block that is missing
+                    tier = m.sm.contains(key)
+                    if tier is None:
+                        break
+                    where.append(tier)
+                start = 0
+                while start < len(where):  # one batched_get per run of keys held by the same tier
+                    end = start
+                    while end < len(where) and where[end] == where[start]:
+                        end += 1
+                    got = m.sm.batched_get(keys[start:end], location=where[start])
+                    objs.extend(got)
+                    if len(got) != end - start or any(o is None for o in got):
+                        break
+                    start = end
+                for i, obj in enumerate(objs):
+                    if obj is None:
+                        break
+                    try:
+                        payload = self._validate(op.keys[i], obj, layout)
+                    except _Invalid as bad:
+                        self._reject(m, keys[i], where[i], str(bad), damaged=bad.damaged)
+                        break
+                    _as_words(staging[:, i]).copy_(_as_words(payload))  # LMCache's API is per object
+                    good += 1
+            finally:
+                for obj in objs:
+                    if obj is not None:
+                        obj.ref_count_down()
+        if good:  # one vectorized scatter of the blocks that passed validation, and only those
+            layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
+        return op.block_ids[good:]
+
+    def save(self, op: BlockSave, layout: KVLayout) -> None:
+        if not op.keys:
+            return
+        staging = layout.gather(op.block_ids)
+        if staging.device.type != "cpu":
+            staging = staging.cpu()
+        payload = layout.num_layers * layout.block_bytes
+        shape = torch.Size([1, 1, 1, HEADER_BYTES + payload])
+        fp = layout.fingerprint.digest().encode()
+        keys = [self.lmcache_key(k) for k in op.keys]
+        with self._session() as m:
+            up = m.remote is None or m.remote.connection is not None
+            failed_before = m.remote.put_failed_count if m.remote is not None else 0
+            batch: list[tuple[Any, Any]] = []
+            stored = 0
+            try:
+                for i, key in enumerate(keys):
+                    obj = m.sm.allocate(shape, torch.uint8, fmt=self._lib.KV_2LTD, eviction=True, busy_loop=False)
+                    if obj is None and batch:  # the arena is full of this save: put it, then its objects are evictable
+                        stored += self._put(m, batch)
+                        obj = m.sm.allocate(shape, torch.uint8, fmt=self._lib.KV_2LTD, eviction=True, busy_loop=False)
+                    if obj is None:
+                        raise StoreFull(
+                            f"lmcache: CPU arena ({self.options.local_cpu_bytes} B) has no room for a {shape[-1]} B "
+                            f"object; saved {stored} of {len(keys)} blocks of {op.request_id}"
+                        )
+                    batch.append((key, obj))
+                    self._fill(obj.tensor.view(-1), op.keys[i], fp, staging[:, i])
+                stored += self._put(m, batch)
+            finally:
+                for _, obj in batch:  # only objects never handed to LMCache are left here
+                    obj.ref_count_down()
+            if m.remote is not None and (not up or m.remote.connection is None or m.remote.put_failed_count > failed_before):
+                raise PeerUnreachable(
+                    f"lmcache remote {self.options.remote_url} did not take the blocks of {op.request_id}"
+                )
+
+    @staticmethod
+    def _put(m: _Manager, batch: list[tuple[Any, Any]]) -> int:
+        """Hand ``batch`` (and our references to it) to LMCache and wait for its writes; empties it."""
+        keys, objs = [k for k, _ in batch], [o for _, o in batch]
+        batch.clear()
+        m.sm.batched_put(keys, objs)
+        m.drain(keys)
+        return len(keys)
+
+    def _fill(self, flat: torch.Tensor, key: bytes, fp: bytes, block: torch.Tensor) -> None:
+        body = flat[HEADER_BYTES:]
+        _as_words(body.view(block.shape)).copy_(_as_words(block))
+        arr = body.numpy()
+        header = _HEADER.pack(MAGIC, VERSION, self._kind, _checksum(self._kind, arr), arr.size, fp, _key_digest(key))
+        flat[:HEADER_BYTES].numpy()[:] = np.frombuffer(header.ljust(HEADER_BYTES, b"\0"), dtype=np.uint8)
+
+    def _validate(self, key: bytes, obj: Any, layout: KVLayout) -> torch.Tensor:
+        """The payload of ``obj`` as ``[num_layers, block_bytes]`` uint8, or :class:`_Invalid`."""
+        t = obj.tensor
+        if t is None or t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() < HEADER_BYTES:
+            raise _Invalid(f"not a kvbridge object ({None if t is None else (t.dtype, tuple(t.shape))})", damaged=True)
+        flat = t.view(-1)
+        magic, version, kind, checksum, length, fp, digest = _HEADER.unpack_from(flat[: _HEADER.size].numpy().tobytes())
+        if magic != MAGIC:
+            raise _Invalid("bad magic", damaged=True)
+        if version != VERSION:
+            raise _Invalid(f"format version {version}, this reader knows {VERSION}", damaged=False)
+        if fp != layout.fingerprint.digest().encode():
+            raise _Invalid(f"layout {fp.decode(errors='replace')} != ours {layout.fingerprint.digest()}", damaged=False)
+        if digest != _key_digest(key):
+            raise _Invalid("object holds another key", damaged=True)
+        want = layout.num_layers * layout.block_bytes
+        if length != want or flat.numel() != HEADER_BYTES + want:
+            raise _Invalid(f"{flat.numel()} bytes, header says payload {length}, layout needs {want}", damaged=True)
+        if kind not in _CHECKSUMS.values() or (kind == 2 and not _have_crc32c()):
+            raise _Invalid(f"checksum kind {kind} cannot be verified here", damaged=False)
+        body = flat[HEADER_BYTES:]
+        if _checksum(kind, body.numpy()) != checksum:
+            raise _Invalid("checksum mismatch", damaged=True)
+        return body.view(layout.num_layers, layout.block_bytes)
+
+    def _reject(self, m: _Manager, key: Any, tier: str, reason: str, *, damaged: bool) -> None:
+        self.stats.add(corrupt=1)
+        log.warning("lmcache store: object %s in %s is not loadable (%s)", key.to_string(), tier, reason)
+        if damaged:  # the remote cannot delete; CPU (a write-back copy) and disk can
+            m.sm.remove(key, locations=list(_DELETABLE))
+
+    @staticmethod
+    def _host_staging(layout: KVLayout, n: int) -> torch.Tensor:
+        if layout.device.type == "cpu":
+            return layout.staging(n)
+        return torch.empty((layout.num_layers, n, layout.block_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+    def close(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            _release(manager)
+
+
+class LMCacheBackend(StoreBackend):
+    """The ``lmcache`` store backend; every side opens an :class:`LMCacheStore` on the process's manager."""
+
+    name = "lmcache"
+    options_type = LMCacheOptions
+
+    def __init__(self, options: LMCacheOptions):
+        if options.checksum == "crc32c" and not _have_crc32c():
+            raise MissingDependency("lmcache option checksum='crc32c' needs google-crc32c: pip install google-crc32c")
+        super().__init__(options)
+
+    def open_store(self, engine: EngineInfo, side: str) -> LMCacheStore:
+        return LMCacheStore(engine, self.options)
+
+
+def conformance_target(tmp_path: Any) -> Target:
+    """Producer and consumer over one disk tier in ``tmp_path`` (one process: one shared manager). The
+    CPU arena is a staging buffer only, so every load really reads LMCache's disk tier. The ``lm://``
+    server, shared across processes, is exercised by ``tests/test_lmcache.py``."""
+    import shutil
+
+    root = Path(tmp_path) / "lmcache-disk"
+    options = LMCacheOptions(
+        local_cpu_bytes=32 << 20, cpu_cache=False, local_disk=str(root), local_disk_bytes=256 << 20, model_name="conformance"
+    )
+    return Target(LMCacheBackend(options), LMCacheBackend(options), lambda: shutil.rmtree(root, ignore_errors=True))
+
+
+BACKEND = LMCacheBackend
+
+__all__ = ["BACKEND", "HEADER_BYTES", "MAGIC", "VERSION", "LMCacheBackend", "LMCacheOptions", "LMCacheStore", "conformance_target"]
