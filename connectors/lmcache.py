@@ -27,8 +27,8 @@ Objects of another layout or format version are left alone.
 
 **Saves** gather all blocks of the op in one vectorized copy, copy each block's slab into an object
 allocated from LMCache's CPU arena (LMCache's API is per object), ``batched_put`` them, and wait —
-bounded by ``timeout_s`` — until the disk and remote writes are done, so a consumer can see them
-when the save returns. A full arena (nothing evictable) saves what fit and raises
+bounded by ``timeout_s`` — until the disk and remote writes are done and the remote answers for the
+last of them (``lm://`` puts are unacknowledged), so a consumer can see them when the save returns. A full arena (nothing evictable) saves what fit and raises
 :class:`~kvbridge.errors.StoreFull` for the rest, never waits; a remote tier that is down or dropped
 writes fails the save (:class:`~kvbridge.errors.PeerUnreachable`); both are counted by the worker.
 
@@ -468,6 +468,11 @@ class LMCacheStore(BlockStore):
         batch.clear()
         m.sm.batched_put(keys, objs)
         m.drain(keys)
+        # A finished put was only *sent*: the lm:// protocol has no acknowledgement, and a reader on another
+        # connection could ask before the server took it. The server answers one connection in order, so a
+        # lookup of the last key on ours returns once every put before it landed.
+        if m.remote is not None and m.remote.connection is not None and m.sm.contains(keys[-1], search_range=[_REMOTE]) is None:
+            raise PeerUnreachable(f"lmcache remote {m.options.remote_url} does not hold what was just put")
         return len(keys)
 
     def _fill(self, flat: torch.Tensor, key: bytes, fp: bytes, block: torch.Tensor) -> None:
