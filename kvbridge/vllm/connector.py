@@ -30,6 +30,11 @@ Mapping, in vLLM's call order:
   unless the step has synchronous loads); ``wait_for_save`` -> ``finish_step``; ``get_finished`` ->
   ``poll`` (failed blocks are kept for ``get_block_ids_with_load_errors``, so vLLM recomputes them);
 - ``update_connector_output`` -> ``on_report``; ``request_finished`` -> ``on_finished``.
+
+Two guards keep a backend's answers from confusing vLLM: a request whose load failed is never
+offered a load again (vLLM asks anew when the failure left nothing computed, and a backend that still
+claims the blocks would fail forever); and a request that ends during its async load keeps only
+vLLM's own hold on its blocks (see :meth:`SchedulerAdapter.request_finished`).
 """
 
 from __future__ import annotations
@@ -271,6 +276,8 @@ class SchedulerAdapter:
         self._blocks: dict[str, list[int]] = {}
         self._async: dict[str, bool] = {}  # the last lookup's answer was an async load
         self._awaiting: set[str] = set()  # async loads vLLM waits for (WAITING_FOR_REMOTE_KVS)
+        self._loading: dict[str, frozenset[int]] = {}  # requests with a load planned: its target blocks
+        self._failed: set[str] = set()  # requests whose load failed: never offered a load again
         self._muted: list[str] = []
 
     def info(self, request: Any) -> RequestInfo:
@@ -290,6 +297,10 @@ class SchedulerAdapter:
         return info
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self._failed:
+            # vLLM asks again after a failed load that left nothing computed; a backend that still
+            # claims the blocks would fail again, and again: this request recomputes instead.
+            return 0, False
         found = self.side.lookup(self.info(request), num_computed_tokens)
         is_async = found.is_async and found.num_tokens > 0
         self._async[request.request_id] = is_async
@@ -299,8 +310,10 @@ class SchedulerAdapter:
         rid = request.request_id
         block_ids = list(blocks.get_block_ids()[0])
         self._blocks[rid] = block_ids
-        if num_external_tokens > 0 and self._async.get(rid):
-            self._awaiting.add(rid)
+        if num_external_tokens > 0:
+            self._loading[rid] = frozenset(block_ids)
+            if self._async.get(rid):
+                self._awaiting.add(rid)
         self.side.on_allocated(self.info(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
@@ -330,10 +343,13 @@ class SchedulerAdapter:
 
     def update_connector_output(self, output: Any) -> None:
         loaded = frozenset(output.finished_recving or ())
+        failed = frozenset(output.invalid_block_ids or ())
         self._awaiting -= loaded
-        self.side.on_report(
-            WorkerReport(loaded, frozenset(output.finished_sending or ()), frozenset(output.invalid_block_ids or ()))
-        )
+        if failed:
+            self._failed.update(rid for rid, ids in self._loading.items() if ids & failed)
+        for rid in loaded:
+            self._loading.pop(rid, None)
+        self.side.on_report(WorkerReport(loaded, frozenset(output.finished_sending or ()), failed))
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -341,6 +357,8 @@ class SchedulerAdapter:
         self._requests.pop(rid, None)
         self._blocks.pop(rid, None)
         self._async.pop(rid, None)
+        self._loading.pop(rid, None)
+        self._failed.discard(rid)
         vllm_holds = rid in self._awaiting
         self._awaiting.discard(rid)
         decision = self.side.on_finished(info, list(block_ids))

@@ -1,0 +1,154 @@
+"""Run one vLLM engine (in this process) over a list of token-id prompts; write what happened as JSON.
+
+    python engine_run.py SPEC.json OUT.json
+
+SPEC: ``model``, ``dtype``, ``kv`` (a KVTransferConfig dict, or null for a plain engine),
+``kv_bytes``, ``requests`` (``[{"name", "prompt", "max_tokens", "kv_transfer_params"?, "reset_cache"?}]``,
+generated one after the other), ``watch`` (a directory: record the files each request adds),
+``publish`` (write ``{name: kv_transfer_params}`` there once the requests are done), ``params_from``
+(wait for such a file and send each request with its entry, or with the entry ``params_of`` names,
+updated by ``params_patch``), ``done`` (touch this file at the end),
+``hold`` (after the requests, keep stepping the engine until this file exists — a peer producer
+must outlive its consumer's pulls), ``corrupt_held`` (overwrite the KV blocks a peer producer holds
+for these requests, before anyone pulls them: a transfer that no check can catch).
+
+OUT: per request its tokens, the logprob of each, ``num_cached_tokens``, ``kv_transfer_params``,
+wall time, files added, and the connector counters it moved (worker and scheduler side).
+Runs vLLM in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the test can read the counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _files(root: str | None) -> set[str]:
+    if not root or not os.path.isdir(root):
+        return set()
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if not f.startswith(".")}
+
+
+def _diff(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw: dict = {}
+    if spec.get("kv"):
+        kw["kv_transfer_config"] = KVTransferConfig(**spec["kv"])
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=32,
+        max_model_len=512,
+        dtype=spec.get("dtype", "float32"),
+        kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
+        distributed_executor_backend="uni",
+        seed=0,
+        **kw,
+    )
+    t_init = time.perf_counter()
+
+    def connectors() -> tuple:
+        if not spec.get("kv"):
+            return None, None
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        return get_kv_transfer_group(), scheduler
+
+    worker_conn, sched_conn = connectors()
+
+    def totals() -> dict:
+        return {
+            "worker": worker_conn.totals() if worker_conn else {},
+            "scheduler": sched_conn.totals() if sched_conn else {},
+        }
+
+    published = _wait_json(spec["params_from"], spec.get("hold_s", 300)) if spec.get("params_from") else {}
+    results = {}
+    for req in spec["requests"]:
+        if req.get("reset_cache"):
+            llm.reset_prefix_cache()
+        params = req.get("kv_transfer_params") or published.get(req.get("params_of", req["name"]))
+        if params and req.get("params_patch"):
+            params = {**params, **req["params_patch"]}
+        extra = {"kv_transfer_params": params} if params else None
+        sp = SamplingParams(
+            temperature=0, max_tokens=req.get("max_tokens", 8), ignore_eos=True, detokenize=False, logprobs=1, extra_args=extra
+        )
+        before_files, before = _files(spec.get("watch")), totals()
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": req["prompt"]}], sp, use_tqdm=False)[0]
+        wall = time.perf_counter() - t
+        if worker_conn is not None:  # loads and saves finish off the forward path: let them land
+            wait = getattr(worker_conn._worker.side, "wait_idle", None)
+            if wait:
+                wait(10.0)
+        comp = out.outputs[0]
+        after = totals()
+        results[req["name"]] = {
+            "tokens": list(comp.token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids)],
+            "finish_reason": comp.finish_reason,
+            "num_cached_tokens": out.num_cached_tokens,
+            "kv_transfer_params": out.kv_transfer_params,
+            "wall_s": wall,
+            "files": sorted(_files(spec.get("watch")) - before_files),
+            "worker": _diff(after["worker"], before["worker"]),
+            "scheduler": _diff(after["scheduler"], before["scheduler"]),
+        }
+        if req["name"] in spec.get("corrupt_held", ()):
+            _corrupt_held(worker_conn, out.kv_transfer_params)
+
+    if spec.get("publish"):
+        _write_json(spec["publish"], {name: r["kv_transfer_params"] for name, r in results.items()})
+    if spec.get("hold"):  # a peer producer serves pulls from its worker's threads; keep the engine stepping
+        deadline = time.monotonic() + spec.get("hold_s", 120)
+        while not os.path.exists(spec["hold"]) and time.monotonic() < deadline:
+            llm.llm_engine.step() if llm.llm_engine.has_unfinished_requests() else time.sleep(0.05)
+    namespace = worker_conn.engine.namespace if worker_conn else None
+    _write_json(sys.argv[2], {"results": results, "totals": totals(), "namespace": namespace, "init_s": t_init - t0})
+    if spec.get("done"):
+        open(spec["done"], "w").close()
+
+
+def _write_json(path: str, data: object) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(path + ".tmp", path)
+
+
+def _wait_json(path: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.1)
+    return json.load(open(path))
+
+
+def _corrupt_held(worker_conn, params) -> None:
+    """Overwrite a held request's blocks in the producer's KV cache with other (finite) values."""
+    import torch
+
+    ids = [int(b) for b in (params or {}).get("block_ids", [])]
+    assert ids, f"no block ids in the producer's transfer params {params}"
+    layout = worker_conn._worker.layout
+    for view in layout.layers:
+        view[torch.tensor(ids)] = view[torch.tensor(ids)].flip(-1) * 0.5 + 0.25
+
+
+if __name__ == "__main__":
+    main()

