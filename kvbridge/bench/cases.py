@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge import registry
+from kvbridge.bench import ucx_baselines as _ucx_baselines  # noqa: F401 - registers the "ucxx-wa" baseline
 from kvbridge.bench.baselines import BASELINES, Unavailable
 from kvbridge.bench.core import (
     SHAPES,
@@ -68,7 +69,7 @@ BENCH: dict[str, BackendBench] = {
     "cpu": BackendBench(("memcpy",), _cpu),
     "chain": BackendBench(("memcpy",)),
     "fs": BackendBench(("file",)),
-    "ucx": BackendBench(("ucxx", "tcp")),
+    "ucx": BackendBench(("ucxx-wa", "ucxx", "tcp")),  # ucxx-wa: the medium the backend rides (kvbridge/bench/ucx_baselines.py)
 }
 DEFAULT_BENCH = BackendBench()
 

@@ -1,0 +1,306 @@
+"""The ``ucx`` backend between two processes, beside raw ucxx and a plain TCP socket moving the same bytes.
+
+    python -m kvbridge.bench.ucx_baselines [--tokens 2048] [--reps 5]
+
+:func:`measure` runs, in one go and with the same byte count:
+
+- ``kvbridge ucx``: a producer engine in a child process holds a request of ``tokens`` tokens of
+  Llama-3-8B KV (32 layers x 8 KV heads x 128, bf16, 128 KiB/token) in *scattered* blocks; this
+  process's consumer engine pulls it (timed: ``start_step`` to the ``poll`` that reports it), bytes
+  checked once by sha256;
+- ``raw ucxx``: one tag send of a single contiguous buffer of those bytes from a child process, over a
+  worker-address endpoint with error handling off — the same UCX set-up (and ``UCX_TLS``) the backend
+  uses, received through the backend's own runtime in this process;
+- ``tcp``: a child process ``sendall``\\ s the bytes over a loopback socket per 1-byte request.
+
+:func:`ucxx_worker_address` is the raw-ucxx figure as a :mod:`kvbridge.bench.baselines` baseline
+(registered as ``"ucxx-wa"``; ``kvbridge.bench.cases`` lists it for ``ucx``). Nothing imports ucxx
+until a measurement runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvbridge.bench.baselines import BASELINES, Unavailable
+from kvbridge.bench.core import Timing
+
+GEOMETRY: dict[str, Any] = {"num_layers": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16, "dtype": torch.bfloat16}
+BLOCK_BYTES = 32 * 8 * 16 * 2 * 128 * 2  # one block of every layer: 2 MiB
+
+
+def _child(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "kvbridge.bench.ucx_baselines", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
+
+
+def _line(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise Unavailable(f"benchmark child exited (rc {proc.wait()})")
+    return dict(json.loads(line))
+
+
+def _say(proc: subprocess.Popen[str], **msg: Any) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(msg) + "\n")
+    proc.stdin.flush()
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    try:
+        _say(proc, op="quit")
+        proc.wait(20)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
+
+
+# ---- kvbridge: producer child, consumer here ---------------------------------------------------------
+def _producer(registry: str, blocks: int, progress_mode: str) -> None:
+    from kvbridge.connectors.ucx import UcxBackend, UcxOptions
+    from kvbridge.contract import RequestInfo
+    from kvbridge.testing import MiniEngine
+
+    options = UcxOptions(registry_dir=registry, progress_mode=progress_mode)  # type: ignore[arg-type]
+    engine = MiniEngine(UcxBackend(options), engine_id="bench-producer", role="producer",
+                        num_blocks=blocks + 8, seed=1, **GEOMETRY)
+    for t in engine.kv.values():
+        t.view(torch.int16).random_()  # random bits: nothing compresses, nothing is all-zero
+    ids = engine.allocate(blocks)  # shuffled: scattered ids
+    digest = hashlib.sha256(engine.read(ids).numpy().tobytes()).hexdigest()
+    print(json.dumps({"sha256": digest}), flush=True)
+    tokens = tuple(range(blocks * 16 + 1))
+    while True:
+        if not select.select([sys.stdin], [], [], 0.01)[0]:
+            engine.pump()  # takes releases, frees held requests
+            continue
+        cmd = json.loads(sys.stdin.readline() or '{"op": "quit"}')
+        if cmd["op"] == "quit":
+            break
+        decision = engine.scheduler.on_finished(RequestInfo(cmd["rid"], tokens, ()), ids)
+        engine.pump()
+        print(json.dumps({"params": decision.transfer_params}), flush=True)
+    engine.close()
+
+
+def _kvbridge(blocks: int, reps: int, progress_mode: str = "thread") -> Timing:
+    from kvbridge.connectors.ucx import UcxBackend, UcxOptions
+    from kvbridge.testing import MiniEngine
+
+    with tempfile.TemporaryDirectory(prefix="kvbridge-ucx-bench-") as registry:
+        proc = _child("producer", registry, str(blocks), progress_mode)
+        consumer = None
+        try:
+            digest = _line(proc)["sha256"]
+            options = UcxOptions(registry_dir=registry, progress_mode=progress_mode)  # type: ignore[arg-type]
+            consumer = MiniEngine(UcxBackend(options), engine_id="bench-consumer",
+                                  role="consumer", num_blocks=blocks + 8, seed=2, **GEOMETRY)
+            samples = []
+            for i in range(reps + 1):  # the first pull also handshakes: a warm-up
+                _say(proc, op="offer", rid=f"r{i}")
+                params = _line(proc)["params"]
+                req = consumer.request(f"c{i}", list(range(blocks * 16 + 1)), params)
+                n = consumer.scheduler.lookup(req, 0).num_tokens
+                ids = consumer.allocate(blocks + 1)
+                consumer.scheduler.on_allocated(req, ids, n)
+                plan = consumer.scheduler.plan_step([])
+                t0 = time.perf_counter()
+                consumer.worker.start_step(plan)
+                consumer.worker.finish_step()
+                failed: set[int] = set()
+                while True:
+                    report = consumer.worker.poll()
+                    failed |= report.failed_blocks
+                    if req.request_id in report.finished_loading:
+                        break
+                    time.sleep(0.0002)
+                dt = time.perf_counter() - t0
+                if failed:
+                    raise Unavailable(f"{len(failed)} blocks failed to load")
+                if i == 0 and hashlib.sha256(consumer.read(ids[:blocks]).numpy().tobytes()).hexdigest() != digest:
+                    raise Unavailable("pulled bytes differ from the producer's")
+                consumer.scheduler.on_report(report)
+                consumer.scheduler.on_finished(req, ids)
+                consumer.free(ids)
+                if i:
+                    samples.append(dt)
+            return Timing(tuple(samples))
+        finally:
+            if consumer is not None:
+                consumer.close()
+            _stop(proc)
+
+
+# ---- raw ucxx: sender child, receiver through the backend's runtime here -------------------------------
+def _ucxx_sender(nbytes: int) -> None:
+    from kvbridge.connectors import _ucx_runtime as rtmod
+
+    rt = rtmod.runtime()
+    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    print(json.dumps({"address": rt.worker_address.hex()}), flush=True)
+    peer = bytes.fromhex(json.loads(sys.stdin.readline())["address"])
+    ep = rt.call(rt.connect(peer), 30)
+    go = np.zeros(8, dtype=np.uint8)
+    while True:
+        rt.call(rt.recv_any(go, 0x51), 600)
+        if go[0]:
+            break
+        rt.call(ep.send(src, tag=0x52, force_tag=True), 120)
+
+
+def ucxx_worker_address(nbytes: int, op: str = "transfer", env: Mapping[str, Any] | None = None, reps: int = 5) -> Timing:
+    """One ucxx tag message of ``nbytes`` from a child process: worker-address endpoint, error handling off,
+    the backend's ``UCX_TLS`` — what the ``ucx`` backend's chunks ride on, as one buffer."""
+    try:
+        from kvbridge.connectors import _ucx_runtime as rtmod
+    except ImportError as exc:
+        raise Unavailable(f"{exc}") from exc
+    import asyncio
+
+    rt = rtmod.runtime()
+    proc = _child("ucxx-sender", str(nbytes))
+    try:
+        ep = None
+        peer = bytes.fromhex(_line(proc)["address"])
+        _say(proc, address=rt.worker_address.hex())
+        ep = rt.call(rt.connect(peer), 30)
+        dst = np.empty(nbytes, dtype=np.uint8)
+
+        async def pull() -> None:
+            recv = asyncio.ensure_future(ep.recv(dst, tag=0x52, force_tag=True))
+            await ep.send(np.zeros(8, dtype=np.uint8), tag=0x51, force_tag=True)
+            await recv
+
+        samples = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            rt.call(pull(), 120)
+            if i:
+                samples.append(time.perf_counter() - t0)
+        rt.call(ep.send(np.ones(8, dtype=np.uint8), tag=0x51, force_tag=True), 10)
+        expected = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        if not np.array_equal(dst, expected):
+            raise Unavailable("raw ucxx bytes differ")
+        return Timing(tuple(samples))
+    finally:
+        if ep is not None:
+            rt.close_endpoint(ep)
+        proc.wait(20)
+
+
+# ---- plain TCP between two processes -----------------------------------------------------------------
+def _tcp_sender(port: int, nbytes: int) -> None:
+    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ask = bytearray(1)
+        while s.recv_into(ask) == 1 and ask[0] == ord("g"):
+            s.sendall(src.data)
+
+
+def tcp_processes(nbytes: int, reps: int) -> Timing:
+    """``nbytes`` over a loopback TCP socket from a child process, per 1-byte request."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    proc = _child("tcp-sender", str(listener.getsockname()[1]), str(nbytes))
+    conn, _ = listener.accept()
+    listener.close()
+    dst = np.empty(nbytes, dtype=np.uint8)
+    view = dst.data
+    samples = []
+    try:
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            conn.sendall(b"g")
+            got = 0
+            while got < nbytes:
+                n = conn.recv_into(view[got:])
+                if not n:
+                    raise Unavailable("tcp sender went away")
+                got += n
+            if i:
+                samples.append(time.perf_counter() - t0)
+        conn.sendall(b"q")
+    finally:
+        conn.close()
+        proc.wait(20)
+    return Timing(tuple(samples))
+
+
+def measure(tokens: int = 2048, reps: int = 5, progress_mode: str = "thread") -> list[dict[str, Any]]:
+    """The three figures for one request of ``tokens`` tokens of Llama-3-8B KV; one row each.
+
+    ``progress_mode`` is the kvbridge engines' (both in their own processes; the raw ucxx receiver uses
+    this process's runtime, started by the kvbridge consumer with the same mode)."""
+    blocks = tokens // 16
+    nbytes = blocks * BLOCK_BYTES
+    rows = []
+    for path, run in (
+        (f"kvbridge ucx (scattered, {progress_mode})", lambda: _kvbridge(blocks, reps, progress_mode)),
+        ("raw ucxx (one buffer)", lambda: ucxx_worker_address(nbytes, reps=reps)),
+        ("tcp socket (one buffer)", lambda: tcp_processes(nbytes, reps)),
+    ):
+        try:
+            t = run()
+            rows.append({"path": path, "bytes": nbytes, "median_s": t.median, "gbps": nbytes / t.median / 1e9,
+                         "best_gbps": nbytes / min(t.samples) / 1e9})
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run here is a row that says why
+            rows.append({"path": path, "bytes": nbytes, "median_s": None, "gbps": None, "best_gbps": None, "note": str(exc)})
+    return rows
+
+
+def _ucxx_wa(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+    return ucxx_worker_address(nbytes, op, env, reps)
+
+
+BASELINES.setdefault("ucxx-wa", _ucxx_wa)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "producer":
+        return _producer(argv[1], int(argv[2]), argv[3])
+    if argv and argv[0] == "ucxx-sender":
+        return _ucxx_sender(int(argv[1]))
+    if argv and argv[0] == "tcp-sender":
+        return _tcp_sender(int(argv[1]), int(argv[2]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--progress-mode", default="thread", choices=["thread", "blocking", "thread-polling", "polling"])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    rows = measure(args.tokens, args.reps, args.progress_mode)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    tls = os.environ.get("UCX_TLS", "")
+    print(f"Llama-3-8B KV, {args.tokens} tokens ({rows[0]['bytes'] / 2**20:.0f} MiB), {args.reps} reps, UCX_TLS={tls}")
+    print(f"{'path':34} {'median ms':>10} {'GB/s':>7} {'best GB/s':>10}")
+    for r in rows:
+        if r["median_s"] is None:
+            print(f"{r['path']:34} not measured: {r.get('note')}")
+        else:
+            print(f"{r['path']:34} {r['median_s'] * 1e3:10.1f} {r['gbps']:7.2f} {r['best_gbps']:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["measure", "tcp_processes", "ucxx_worker_address"]
