@@ -35,7 +35,7 @@ writes fails the save (:class:`~kvbridge.errors.PeerUnreachable`); both are coun
 Measured on a 2-core VM (Llama-3-8B geometry, 124 MiB per op, ``OMP_NUM_THREADS=1``): save/load
 0.18/0.19 GB/s through ``lm://`` on loopback and 0.33/0.46 GB/s through the disk tier, beside a 3.8 GB/s
 torch memcpy; the time goes to LMCache's transport (its event-loop thread, the Python server), not to
-kvbridge's copies and checksums (``/work/scratch/lmcache/bench_kvbridge.py``).
+kvbridge's copies and checksums.
 
 **Loads** find each key's tier (stopping at the first miss), ``batched_get`` each run of keys from
 its tier, validate, and write the blocks that passed in one ``layout.scatter``; every object LMCache
