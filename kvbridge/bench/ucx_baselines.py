@@ -148,10 +148,10 @@ def _kvbridge(blocks: int, reps: int, progress_mode: str = "thread") -> Timing:
 
 
 # ---- raw ucxx: sender child, receiver through the backend's runtime here -------------------------------
-def _ucxx_sender(nbytes: int) -> None:
+def _ucxx_sender(nbytes: int, progress_mode: str) -> None:
     from kvbridge.connectors import _ucx_runtime as rtmod
 
-    rt = rtmod.runtime()
+    rt = rtmod.runtime(progress_mode)
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     print(json.dumps({"address": rt.worker_address.hex()}), flush=True)
     peer = bytes.fromhex(json.loads(sys.stdin.readline())["address"])
@@ -164,7 +164,8 @@ def _ucxx_sender(nbytes: int) -> None:
         rt.call(ep.send(src, tag=0x52, force_tag=True), 120)
 
 
-def ucxx_worker_address(nbytes: int, op: str = "transfer", env: Mapping[str, Any] | None = None, reps: int = 5) -> Timing:
+def ucxx_worker_address(nbytes: int, op: str = "transfer", env: Mapping[str, Any] | None = None, reps: int = 5,
+                        progress_mode: str = "thread") -> Timing:
     """One ucxx tag message of ``nbytes`` from a child process: worker-address endpoint, error handling off,
     the backend's ``UCX_TLS`` — what the ``ucx`` backend's chunks ride on, as one buffer."""
     try:
@@ -173,8 +174,8 @@ def ucxx_worker_address(nbytes: int, op: str = "transfer", env: Mapping[str, Any
         raise Unavailable(f"{exc}") from exc
     import asyncio
 
-    rt = rtmod.runtime()
-    proc = _child("ucxx-sender", str(nbytes))
+    rt = rtmod.runtime(progress_mode)  # the running one if this process has one (its mode then)
+    proc = _child("ucxx-sender", str(nbytes), rt.progress_mode)
     try:
         ep = None
         peer = bytes.fromhex(_line(proc)["address"])
@@ -252,7 +253,7 @@ def measure(tokens: int = 2048, reps: int = 5, progress_mode: str = "thread") ->
     rows = []
     for path, run in (
         (f"kvbridge ucx (scattered, {progress_mode})", lambda: _kvbridge(blocks, reps, progress_mode)),
-        ("raw ucxx (one buffer)", lambda: ucxx_worker_address(nbytes, reps=reps)),
+        ("raw ucxx (one buffer)", lambda: ucxx_worker_address(nbytes, reps=reps, progress_mode=progress_mode)),
         ("tcp socket (one buffer)", lambda: tcp_processes(nbytes, reps)),
     ):
         try:
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "producer":
         return _producer(argv[1], int(argv[2]), argv[3])
     if argv and argv[0] == "ucxx-sender":
-        return _ucxx_sender(int(argv[1]))
+        return _ucxx_sender(int(argv[1]), argv[2])
     if argv and argv[0] == "tcp-sender":
         return _tcp_sender(int(argv[1]), int(argv[2]))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
