@@ -267,3 +267,26 @@ def test_namespace_separates_models_and_ignores_hash_seed(vl: Any) -> None:
     assert "model=tiny" in a and "tp=1" in a
     eng = engine(vl, "kv_both", "h5", extra={"backend": "memory", "name": "h5", "namespace": "shared-ns"})
     assert eng.sched.engine.namespace == eng.worker.engine.namespace == "shared-ns"
+
+
+def test_vllm_versions_outside_the_supported_range() -> None:
+    """Too old: refused with the install line. Newer with the same API: a warning, and it works."""
+    import subprocess
+    import sys
+
+    code = """
+import importlib, logging, vllm
+from kvbridge.errors import MissingDependency
+vllm.__version__ = "0.20.1"
+try:
+    import kvbridge.vllm.connector
+except MissingDependency as exc:
+    print("REFUSED", exc)
+vllm.__version__ = "0.34.0"
+logging.basicConfig()
+import kvbridge.vllm.connector as c
+print("LOADED", c.VLLM_VERSION)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "REFUSED vLLM 0.20.1 is too old for kvbridge; kvbridge's connectors support vLLM 0.32 and 0.33" in out.stdout, out
+    assert "LOADED 0.34.0" in out.stdout and "vLLM 0.34.0 is untested" in out.stderr, out

@@ -3,8 +3,8 @@
 Both engines run at once, in separate processes. The producer prefills A, B and D, publishes the
 ``kv_transfer_params`` vLLM returned for each, and stays up until the consumer is done; the
 consumer decodes each prompt with its params. Checks: A equals the single-engine run token for
-token and was loaded (6 blocks pulled, counted by vLLM and the connector); D's params name a
-request the producer does not hold, so its pull is refused, the blocks are reported failed and
+token and was loaded (6 blocks pulled, counted by vLLM and the connector); D's params were altered
+to name blocks outside the producer's KV cache, so its pull is refused, the blocks are reported failed and
 recomputed (``kv_load_failure_policy="recompute"``) — still equal; B's held blocks were overwritten
 in the producer's KV cache before the pull, a corruption no check can see — its output changes.
 """
@@ -49,7 +49,7 @@ def test_ucx_pd_hand_off(engine: Any, baseline: dict, prompts: dict, tmp_path: P
         done=str(done),
         requests=[
             {"name": "A", "prompt": prompts["A"], "max_tokens": 8},
-            {"name": "D", "prompt": prompts["D"], "max_tokens": 8, "params_patch": {"request_id": "not-held"}},
+            {"name": "D", "prompt": prompts["D"], "max_tokens": 8, "params_patch": {"block_ids": list(range(10**6, 10**6 + FULL_BLOCKS))}},
             {"name": "B", "prompt": prompts["B"], "max_tokens": 8},
         ],
     )
@@ -69,4 +69,5 @@ def test_ucx_pd_hand_off(engine: Any, baseline: dict, prompts: dict, tmp_path: P
     b = got["B"]
     assert b["worker"].get("load_blocks") == FULL_BLOCKS, b["worker"]
     assert output_differs(b, baseline["B"]), "KV overwritten in the producer must change the consumer's output"
-    assert served["totals"]["worker"].get("served_pulls") == 2, served["totals"]["worker"]
+    producer_counts = served["totals"]["worker"]
+    assert producer_counts.get("served_pulls") == 2 and producer_counts.get("refused_pulls") == 1, producer_counts
