@@ -276,7 +276,7 @@ class SchedulerAdapter:
         self._blocks: dict[str, list[int]] = {}
         self._async: dict[str, bool] = {}  # the last lookup's answer was an async load
         self._awaiting: set[str] = set()  # async loads vLLM waits for (WAITING_FOR_REMOTE_KVS)
-        self._loading: dict[str, frozenset[int]] = {}  # requests with a load planned: its target blocks
+        self._loading: dict[str, frozenset[int]] = {}  # requests with a load planned: their blocks
         self._failed: set[str] = set()  # requests whose load failed: never offered a load again
         self._muted: list[str] = []
 
@@ -385,6 +385,7 @@ class WorkerAdapter:
         self.counters = _Counters(side)
         self.layout: KVLayout | None = None
         self._in_step = False
+        self._step_meta: Any = None
         self._failed: set[int] = set()
         self._muted: set[str] = set()
 
@@ -393,10 +394,16 @@ class WorkerAdapter:
         self.side.register(self.layout)
 
     def begin(self, meta: Any) -> None:
-        """Start the step on the first call that may need it; later calls in the step do nothing."""
+        """Start the step on the first call that may need it; later calls in the step do nothing.
+
+        A new step's metadata arriving while the previous step is still open (no ``wait_for_save``
+        came) closes that step first, so no plan is ever skipped.
+        """
         if self._in_step:
-            return
-        self._in_step = True
+            if meta is self._step_meta:
+                return
+            self.side.finish_step()
+        self._in_step, self._step_meta = True, meta
         if isinstance(meta, KVBridgeMetadata):
             self._muted.update(meta.muted)
             self.side.start_step(meta.plan)
@@ -418,7 +425,7 @@ class WorkerAdapter:
 
     def wait_for_save(self, meta: Any) -> None:
         self.begin(meta)
-        self._in_step = False
+        self._in_step, self._step_meta = False, None
         self.side.finish_step()
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:

@@ -14,7 +14,8 @@ for these requests, before anyone pulls them: a transfer that no check can catch
 
 OUT: per request its tokens, the logprob of each, ``num_cached_tokens``, ``kv_transfer_params``,
 wall time, files added, and the connector counters it moved (worker and scheduler side).
-Runs vLLM in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the test can read the counters.
+Runs vLLM in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the test can read the counters,
+unless ``multiprocess`` (engine core and worker in their own processes, as in a server).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _diff(after: dict, before: dict) -> dict:
 
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    multiprocess = bool(spec.get("multiprocess"))  # a real deployment's 3 processes; no counters then
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -54,14 +56,14 @@ def main() -> None:
         max_model_len=512,
         dtype=spec.get("dtype", "float32"),
         kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
-        distributed_executor_backend="uni",
+        distributed_executor_backend=None if multiprocess else "uni",
         seed=0,
         **kw,
     )
     t_init = time.perf_counter()
 
     def connectors() -> tuple:
-        if not spec.get("kv"):
+        if not spec.get("kv") or multiprocess:
             return None, None
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 

@@ -1,6 +1,6 @@
 """Measure time to first token of a consumer that loads the prompt's KV (fs) vs one that recomputes it.
 
-    /work/venvs/vllm/bin/python tests/vllm/ttft.py [--prompts 8] [--tokens 400] [--workdir DIR]
+    /work/venvs/vllm/bin/python tests/vllm/ttft.py [--prompts 8] [--tokens 400] [--workdir DIR] [--multiprocess]
 
 A producer engine prefills every prompt into an fs store; then, one engine after the other (never
 two at once, so they do not compete for cores), a consumer engine with the fs connector and a plain
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--multiprocess", action="store_true", help="engine core and worker in their own processes")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvbridge-ttft-"))
     model = make_tiny_llama(work / "tiny-llama") if not (work / "tiny-llama" / "config.json").exists() else work / "tiny-llama"
@@ -38,7 +39,8 @@ def main() -> None:
     extra = {"path": str(work / "store")}
 
     def run(name: str, kv: dict | None, requests: list[dict]) -> dict:
-        return Engine(work / "engines", name, {"model": str(model), "kv": kv, "requests": requests}).result(timeout=900)["results"]
+        spec = {"model": str(model), "kv": kv, "requests": requests, "multiprocess": args.multiprocess}
+        return Engine(work / "engines", name, spec).result(timeout=900)["results"]
 
     run("producer", kv_config("kvbridge.FSConnector", "kv_producer", extra), timed)
     loaded = run("consumer", kv_config("kvbridge.FSConnector", "kv_consumer", extra), warm + timed)
@@ -51,7 +53,7 @@ def main() -> None:
         rows[label] = {"median_ms": round(statistics.median(ms), 2), "mean_ms": round(statistics.mean(ms), 2),
                        "min_ms": round(min(ms), 2), "max_ms": round(max(ms), 2)}  # fmt: skip
     load_ms = [1e3 * loaded[n]["worker"].get("load_seconds", 0.0) for n in prompts]
-    print(json.dumps({"prompt_tokens": args.tokens, "loaded_tokens": args.tokens // 32 * 32, "prompts": args.prompts,
+    print(json.dumps({"multiprocess": args.multiprocess, "prompt_tokens": args.tokens, "loaded_tokens": args.tokens // 32 * 32, "prompts": args.prompts,
                       "ttft": rows, "fs_load_ms_median": round(statistics.median(load_ms), 2)}, indent=2))  # fmt: skip
 
 
