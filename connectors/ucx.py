@@ -12,11 +12,14 @@ RDMA between hosts); everything else over the gRPC metadata plane (:mod:`kvbridg
   with its own.
 - *Pull* (a UCX tag message on the producer's :func:`control_tag`, struct-packed, never pickled):
   the consumer names its engine, a reply serial, the producer's request and block ids. The producer
-  checks the request is still held, answers a status message, then gathers the blocks chunk by chunk
+  checks the request is still held, answers a status message (with its real bytes per block and in all,
+  which the consumer checks against its own layout before it takes any chunk: UCX delivers a message
+  shorter than the receive buffer without an error), then gathers the blocks chunk by chunk
   (``chunk_bytes``, ``max_inflight`` chunks in flight) and sends each as one message — whole chunks,
   never a message per block.
 - *Release* (gRPC): the request is reported in ``finished_saving`` and its blocks freed; so is a
-  request whose lease (``lease_s``) expires first (counted in ``stats.expired_leases``). The worker
+  request whose lease (``lease_s``) expires first (counted in ``stats.expired_leases``) — but never while
+  a pull of it is still being served (every send has a deadline, so that ends). The worker
   learns the held requests from ``StepPlan.extra["ucx_holds"]``; a release that arrives before the
   plan is remembered.
 
@@ -48,7 +51,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import struct
 import tempfile
 import threading
@@ -74,7 +79,7 @@ from kvbridge.contract import (
     WorkerReport,
     WorkerSide,
 )
-from kvbridge.errors import KVBridgeError, ProtocolError, TransferError, TransferTimeout
+from kvbridge.errors import KVBridgeError, PeerUnreachable, ProtocolError, TransferError, TransferTimeout
 from kvbridge.layout import KVLayout
 from kvbridge.metadata.client import MetadataClient
 from kvbridge.metadata.server import MetadataServer
@@ -92,14 +97,17 @@ HOLDS = "ucx_holds"  # StepPlan.extra key: ((request_id, block_ids, expires_at),
 
 # ---- wire format of the UCX control messages (little-endian) ---------------------------------------
 _MAGIC = b"KVBU"
-_WIRE_VERSION = 1
+_WIRE_VERSION = 2  # 2: the status names the producer's bytes per block and in all
 _PULL = struct.Struct("<4sBBHHHIIQd")  # magic, version, kind, len(engine), len(request), rank, n_ids, blocks/chunk, serial, expires_at
-_STATUS = struct.Struct("<4sBBHI")  # magic, version, code, len(reason), n_chunks; then the reason (utf-8)
+# magic, version, code, len(reason), n_chunks, bytes per block (all layers), bytes in all; then the reason (utf-8)
+_STATUS = struct.Struct("<4sBBHIQQ")
 _KIND_PULL, _KIND_STOP = 1, 2
 _OK, _REFUSED = 0, 1
 STATUS_BYTES = 512
 MAX_PULL_IDS = 250_000  # one pull's block ids fit a 1 MiB control message (4M tokens at block size 16)
-CONTROL_BYTES = _PULL.size + 2 * 256 + 4 * MAX_PULL_IDS
+MAX_ID_BYTES = 256  # an engine or request id in a pull, utf-8
+MAX_BLOCK_ID = 2**31 - 1  # block ids travel as int32
+CONTROL_BYTES = _PULL.size + 2 * MAX_ID_BYTES + 4 * MAX_PULL_IDS
 _MAX_CHUNK_BYTES = 1 << 30  # what a producer gathers per chunk at most, whatever a consumer asks
 _SERVES = 4  # pulls a producer worker serves at once; others queue
 _LOAD_THREADS = 4  # loads a consumer worker runs at once
@@ -213,14 +221,47 @@ class _Incoming:
     loading: bool = False
 
 
-def _usable_params(params: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-    if not params or params.get("kvbridge_version") != PARAMS_VERSION:
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_id(v: Any) -> bool:
+    try:
+        return isinstance(v, str) and 0 < len(v.encode()) <= MAX_ID_BYTES
+    except UnicodeEncodeError:
+        return False
+
+
+def _is_address(v: Any) -> bool:
+    m = _HOST_PORT.fullmatch(v) if isinstance(v, str) else None
+    return m is not None and 0 < int(m.group(2)) < 65536
+
+
+def _usable_params(params: Any) -> Mapping[str, Any] | None:
+    """``params`` if they are transfer params this version can act on, else ``None`` (a miss): they come
+    from a client or a proxy, so every field is checked here, before the scheduler or the wire sees it."""
+    if not isinstance(params, Mapping) or not _is_int(params.get("kvbridge_version")):
+        return None
+    if params["kvbridge_version"] != PARAMS_VERSION:
         return None
     try:
-        if float(params["expires_at"]) < time.time() or not params["block_ids"] or not params["metadata_address"]:
-            return None
-        int(params["num_tokens"]), str(params["engine_id"]), str(params["request_id"])
-    except (KeyError, TypeError, ValueError):
+        ids, n, expires_at = params["block_ids"], params["num_tokens"], float(params["expires_at"])
+        names, address = (params["engine_id"], params["request_id"]), params["metadata_address"]
+        many = params.get("metadata_addresses", ())
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+    if not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= MAX_PULL_IDS:
+        return None
+    if not all(_is_int(b) and 0 <= b <= MAX_BLOCK_ID for b in ids):
+        return None
+    if not _is_int(n) or n <= 0 or not math.isfinite(expires_at) or expires_at < time.time():
+        return None
+    if not all(_is_id(v) for v in names) or not _is_address(address):
+        return None
+    if not isinstance(many, (list, tuple)) or not all(_is_address(a) for a in many):
         return None
     return params
 
@@ -243,7 +284,8 @@ class UcxScheduler(SchedulerSide):
         if params is None or params["engine_id"] == self.engine.engine_id:
             return Lookup(0)
         self._incoming[request.request_id] = _Incoming(params, num_computed_tokens)
-        loadable = min(int(params["num_tokens"]), request.num_prompt_tokens - 1)
+        # never more than the named blocks hold: the engine would take the rest as loaded
+        loadable = min(params["num_tokens"], len(params["block_ids"]) * self.engine.block_size, request.num_prompt_tokens - 1)
         return Lookup(max(0, loadable - num_computed_tokens), is_async=True)
 
     def on_allocated(self, request: RequestInfo, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -362,18 +404,20 @@ class _Stop(Exception):
 _STOP_MESSAGE = np.frombuffer(_PULL.pack(_MAGIC, _WIRE_VERSION, _KIND_STOP, 0, 0, 0, 0, 0, 0, 0.0), dtype=np.uint8)
 
 
-def _status(code: int, n_chunks: int, reason: str = "") -> np.ndarray:
+def _status(code: int, n_chunks: int, reason: str = "", block_bytes: int = 0, total_bytes: int = 0) -> np.ndarray:
     text = reason.encode()[: STATUS_BYTES - _STATUS.size]
     out = np.zeros(STATUS_BYTES, dtype=np.uint8)
-    out[: _STATUS.size + len(text)] = np.frombuffer(_STATUS.pack(_MAGIC, _WIRE_VERSION, code, len(text), n_chunks) + text, np.uint8)
+    head = _STATUS.pack(_MAGIC, _WIRE_VERSION, code, len(text), n_chunks, block_bytes, total_bytes)
+    out[: _STATUS.size + len(text)] = np.frombuffer(head + text, np.uint8)
     return out
 
 
-def _read_status(buf: np.ndarray) -> tuple[int, int, str]:
-    magic, version, code, n, n_chunks = _STATUS.unpack_from(buf.tobytes())
+def _read_status(buf: np.ndarray) -> tuple[int, int, int, int, str]:
+    """``(code, n_chunks, bytes per block, bytes in all, reason)`` of a status message."""
+    magic, version, code, n, n_chunks, block_bytes, total = _STATUS.unpack_from(buf.tobytes())
     if magic != _MAGIC or version != _WIRE_VERSION:
-        raise ProtocolError("malformed status message from the producer")
-    return code, n_chunks, bytes(buf[_STATUS.size:_STATUS.size + n]).decode(errors="replace")
+        raise ProtocolError(f"malformed status message from the producer (wire version {version}, ours {_WIRE_VERSION})")
+    return code, n_chunks, block_bytes, total, bytes(buf[_STATUS.size:_STATUS.size + n]).decode(errors="replace")
 
 
 def _chunk(buf: torch.Tensor, layout: KVLayout, n: int) -> torch.Tensor:
@@ -423,6 +467,7 @@ class _Server:
         self._holds: dict[str, tuple[frozenset[int], float]] = {}
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()  # released or expired
         self._finished: set[str] = set()  # to report in finished_saving
+        self._in_service: collections.Counter[str] = collections.Counter()  # request id -> pulls of it being served
         self._control_buf = np.empty(CONTROL_BYTES, dtype=np.uint8)
         self._staging = _StagingPool(layout, _SERVES * options.max_inflight)
         port = options.metadata_port + engine.rank if options.metadata_port else 0
@@ -471,7 +516,8 @@ class _Server:
     def take_finished(self) -> set[str]:
         now = time.time()
         with self._lock:
-            expired = [rid for rid, (_, exp) in self._holds.items() if exp < now]
+            # a lease does not expire under a pull still gathering from its blocks (each send has a deadline)
+            expired = [rid for rid, (_, exp) in self._holds.items() if exp < now and not self._in_service[rid]]
             for rid in expired:
                 del self._holds[rid]
                 self._mark_done(rid)
@@ -487,7 +533,12 @@ class _Server:
         buf = self._control_buf
         slots = asyncio.Semaphore(_SERVES)
         while True:
-            await self.rt.recv_any(buf, self.tag)
+            try:
+                await self.rt.recv_any(buf, self.tag)
+            except Exception as exc:  # noqa: BLE001 - e.g. a message larger than any pull: the loop must go on
+                log.warning("%s: dropped a control message: %s: %s", self.engine.engine_id, type(exc).__name__, exc)
+                await asyncio.sleep(0.01)  # never a busy loop, whatever keeps failing
+                continue
             try:
                 pull = _Pull.decode(memoryview(buf.tobytes()))  # a copy: the buffer takes the next message now
             except _Stop:
@@ -499,6 +550,8 @@ class _Server:
 
     async def _serve_guarded(self, pull: _Pull, slots: asyncio.Semaphore) -> None:
         async with slots:
+            with self._lock:
+                self._in_service[pull.request_id] += 1
             try:
                 await self._serve(pull)
             except Exception as exc:  # noqa: BLE001 - one pull failing must not stop the others
@@ -507,6 +560,11 @@ class _Server:
                     ep = self._consumers.pop((pull.engine_id, pull.rank), None)
                 if ep is not None:  # a stuck consumer: it handshakes again next time
                     self.rt.close_endpoint(ep)
+            finally:
+                with self._lock:
+                    self._in_service[pull.request_id] -= 1
+                    if not self._in_service[pull.request_id]:
+                        del self._in_service[pull.request_id]
 
     def _refusal(self, pull: _Pull) -> str:
         ids = pull.block_ids
@@ -531,7 +589,8 @@ class _Server:
         per = max(1, min(pull.blocks_per_chunk, _MAX_CHUNK_BYTES // (layout.num_layers * layout.block_bytes)))
         n_chunks = -(-len(pull.block_ids) // per)
         refusal = self._refusal(pull) or ("too many chunks" if n_chunks > rtmod.MAX_CHUNKS - 1 else "")
-        status = _status(_REFUSED if refusal else _OK, n_chunks, refusal)
+        block_bytes = layout.num_layers * layout.block_bytes  # the real size, whatever the handshake said
+        status = _status(_REFUSED if refusal else _OK, n_chunks, refusal, block_bytes, block_bytes * len(pull.block_ids))
         await asyncio.wait_for(ep.send(status, tag=rtmod.reply_tag(pull.serial, 0), force_tag=True), timeout)
         if refusal:
             self.stats.add(refused_pulls=1)
@@ -696,6 +755,10 @@ class _Puller:
             raise ProtocolError(f"{len(op.block_ids)} local blocks for {len(remote)} remote ones")
         if len(remote) > MAX_PULL_IDS:
             raise ProtocolError(f"{len(remote)} blocks in one pull; at most {MAX_PULL_IDS}")
+        if len(remote) and (int(remote.min()) < 0 or int(remote.max()) > MAX_BLOCK_ID):
+            raise ProtocolError("remote block ids outside [0, 2**31)")
+        if not _is_id(self.engine.engine_id) or not _is_id(src.get("remote_request_id")):
+            raise ProtocolError(f"engine and request ids must be 1 to {MAX_ID_BYTES} bytes of utf-8")
         per = max(1, self.options.chunk_bytes // (layout.num_layers * layout.block_bytes))
         per = max(per, -(-len(remote) // (rtmod.MAX_CHUNKS - 1)))
         n_chunks = -(-len(remote) // per)
@@ -715,6 +778,10 @@ class _Puller:
                 fut.result(timeout)
             except concurrent.futures.TimeoutError:
                 raise TransferTimeout(f"{what}: nothing from {src['engine_id']} for {timeout:g}s") from None
+            except rtmod.ucx.exceptions.UCXMessageTruncatedError:  # more bytes than asked: never scattered
+                raise ProtocolError(f"{what} from {src['engine_id']} is larger than its blocks") from None
+            except rtmod.ucx.exceptions.UCXError as exc:
+                raise PeerUnreachable(f"{what} from {src['engine_id']}: {exc}") from None
 
         status_fut = self.rt.submit(ep.recv(status, tag=rtmod.reply_tag(serial, 0), force_tag=True))
         try:
@@ -723,13 +790,20 @@ class _Puller:
             pull = _Pull(self.engine.engine_id, self.engine.rank, str(src["remote_request_id"]), remote, per, serial,
                          float(src.get("expires_at", 0.0)) or time.time() + timeout)
             tag = int.from_bytes(peer.info.transport[CONTROL_TAG], "little")
-            self.rt.call(ep.send(np.frombuffer(pull.encode(), dtype=np.uint8), tag=tag, force_tag=True), timeout)
+            try:
+                self.rt.call(ep.send(np.frombuffer(pull.encode(), dtype=np.uint8), tag=tag, force_tag=True), timeout)
+            except rtmod.ucx.exceptions.UCXError as exc:  # e.g. the producer died since the handshake
+                raise PeerUnreachable(f"pull to {src['engine_id']}: {exc}") from None
             wait(status_fut, "status")
-            code, chunks, reason = _read_status(status)
+            code, chunks, block_bytes, total, reason = _read_status(status)
             if code != _OK:
                 raise ProtocolError(f"producer {src['engine_id']} refused the pull: {reason}")
             if chunks != n_chunks:
                 raise ProtocolError(f"producer announced {chunks} chunks, expected {n_chunks}")
+            ours = layout.num_layers * layout.block_bytes
+            if block_bytes != ours or total != ours * len(remote):  # a short chunk would arrive without an error
+                raise ProtocolError(f"producer {src['engine_id']} sends {block_bytes}-byte blocks ({total} bytes in all); "
+                                    f"ours are {ours} bytes: its layout is not the one it announced")
             for i in range(n_chunks):
                 wait(futures.pop(i), f"chunk {i + 1}/{n_chunks}")
                 n = min(per, len(remote) - i * per)
