@@ -166,9 +166,9 @@ class ChainStore(BlockStore):
         plan = tuple((t, tuple(at[p] for p in chosen), target) for t, chosen, target in per_tier if chosen)
         return union, {"tiers": plan}
 
-    def release(self, request_id: str, *, loaded: bool = True) -> None:
+    def release(self, request_id: str, *, loaded: bool = True, failed: Sequence[bytes] = ()) -> None:
         for t, tier in enumerate(self.tiers):
-            self._call(t, "release", lambda s=tier: s.release(request_id, loaded=loaded))
+            self._call(t, "release", lambda s=tier: s.release(request_id, loaded=loaded, failed=failed))
 
     # -- worker side ------------------------------------------------------------------------------
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:

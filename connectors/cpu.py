@@ -101,6 +101,7 @@ class CpuIndex(BlockStore):
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...: runs
         self._pins = [0] * self.num_slots
         self._held: dict[str, list[int]] = {}  # request -> slots it pinned
+        self._orphans: set[int] = set()  # forgotten slots still pinned by someone
         self._lock = threading.Lock()
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
@@ -155,10 +156,21 @@ class CpuIndex(BlockStore):
                 slots.append(slot)
         return positions, {"slots": tuple(slots)}
 
-    def release(self, request_id: str, *, loaded: bool = True) -> None:
+    def release(self, request_id: str, *, loaded: bool = True, failed: Sequence[bytes] = ()) -> None:
         with self._lock:
             for slot in self._held.pop(request_id, ()):
                 self._pins[slot] -= 1
+                if not self._pins[slot] and slot in self._orphans:
+                    self._orphans.discard(slot)
+                    self._free.append(slot)
+            for key in failed:  # a reservation whose bytes never came, or a slot that failed its check
+                slot = self._slots.pop(key, -1)
+                if slot < 0:
+                    continue
+                if self._pins[slot]:
+                    self._orphans.add(slot)  # freed when its last pin goes
+                else:
+                    self._free.append(slot)
 
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         raise KVBridgeError("cpu: load() runs on the worker side (CpuPool), not on the scheduler's index")

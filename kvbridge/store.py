@@ -71,8 +71,12 @@ class BlockStore(abc.ABC):
         """Which of ``keys`` (positions) to save, and where (``BlockSave.target``). Default: all."""
         return range(len(keys)), None
 
-    def release(self, request_id: str, *, loaded: bool = True) -> None:  # noqa: B027 - optional hook
-        """The worker is done with ``request_id``'s reservations (loaded or saved, or it failed)."""
+    def release(self, request_id: str, *, loaded: bool = True, failed: Sequence[bytes] = ()) -> None:  # noqa: B027
+        """The worker is done with ``request_id``'s reservations (loaded or saved, or it failed).
+
+        ``failed`` are keys whose load did not arrive: an index that claims them (reserved for a
+        promotion, or holding bytes that failed validation) should forget them, or every later lookup
+        would offer blocks that fail again."""
 
     # -- worker side ------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -116,7 +120,8 @@ class _Tracked:
     num_computed: int = 0  # at lookup time
     hit_blocks: int = 0  # prefix the store holds
     saved_upto: int = 0  # prompt blocks saved or already present
-    loading: bool = False  # a load was planned and not yet reported finished
+    load: BlockLoad | None = None  # planned and not yet reported finished
+    counted: bool = False  # hits/misses already counted (the engine may ask again)
 
 
 class StoreScheduler(SchedulerSide):
@@ -147,7 +152,9 @@ class StoreScheduler(SchedulerSide):
             hit = 0
         tracked.hit_blocks = hit
         tracked.saved_upto = max(tracked.saved_upto, hit)
-        self.store.stats.add(hits=hit, misses=len(request.block_keys) - hit)
+        if not tracked.counted:
+            tracked.counted = True
+            self.store.stats.add(hits=hit, misses=len(request.block_keys) - hit)
         loadable = min(hit * bs, request.num_prompt_tokens - 1)
         return Lookup(max(0, loadable - num_computed_tokens), is_async=True)
 
@@ -162,8 +169,8 @@ class StoreScheduler(SchedulerSide):
         keys = request.block_keys[first:last]
         ids = tuple(block_ids[first:last])
         source = self.store.reserve_load(request.request_id, keys)
-        self._pending_loads.append(BlockLoad(request.request_id, ids, tuple(keys), source))
-        tracked.loading = True
+        tracked.load = BlockLoad(request.request_id, ids, tuple(keys), source)
+        self._pending_loads.append(tracked.load)
 
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         self._check_open()
@@ -200,14 +207,16 @@ class StoreScheduler(SchedulerSide):
         self._check_open()
         for rid in report.finished_loading:
             tracked = self._requests.get(rid)
-            if tracked is not None:
-                tracked.loading = False
-            self.store.release(rid, loaded=True)
+            failed: list[bytes] = []
+            if tracked is not None and tracked.load is not None:
+                op, tracked.load = tracked.load, None
+                failed = [k for b, k in zip(op.block_ids, op.keys) if b in report.failed_blocks]
+            self.store.release(rid, loaded=True, failed=failed)
 
     def on_finished(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
         self._check_open()
         tracked = self._requests.pop(request.request_id, None)
-        if tracked is not None and tracked.loading:
+        if tracked is not None and tracked.load is not None:
             # blocks still being written by a load: the worker frees them once it is over
             if any(op.request_id == request.request_id for op in self._pending_loads):
                 self._pending_loads = [op for op in self._pending_loads if op.request_id != request.request_id]
