@@ -93,6 +93,7 @@ log = logging.getLogger(__name__)
 PARAMS_VERSION = 1  # transfer_params["kvbridge_version"]
 WORKER_ADDRESS = "ucx_worker_address"  # PeerInfo.transport keys
 CONTROL_TAG = "ucx_control_tag"  # 8 bytes, little-endian: where the producer takes pulls
+HOLD_GRACE_S = 5.0  # how long a pull waits for the producer's engine to report the request held
 HOLDS = "ucx_holds"  # StepPlan.extra key: ((request_id, block_ids, expires_at), ...)
 
 # ---- wire format of the UCX control messages (little-endian) ---------------------------------------
@@ -112,6 +113,13 @@ _MAX_CHUNK_BYTES = 1 << 30  # what a producer gathers per chunk at most, whateve
 _SERVES = 4  # pulls a producer worker serves at once; others queue
 _LOAD_THREADS = 4  # loads a consumer worker runs at once
 _GRAVEYARD_BYTES = 512 << 20  # staging buffers of abandoned receives kept alive (UCX may still write them)
+
+
+def _wants_remote_decode(role: str, request: RequestInfo) -> bool:
+    """Hold a finished request's blocks for a consumer? Always on a pure producer; on an engine that
+    does both, only when the client asked (vLLM's ``do_remote_decode``), so ordinary requests free at once."""
+    params = request.transfer_params or {}
+    return role == "producer" or bool(params.get("do_remote_decode"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +344,7 @@ class UcxScheduler(SchedulerSide):
                 return FinishDecision()
             self._hold_after_load.append(request.request_id)  # a pull still writes into its blocks
             return FinishDecision(delay_free=True)
-        if self.engine.role == "consumer":
+        if self.engine.role == "consumer" or not _wants_remote_decode(self.engine.role, request):
             return FinishDecision()
         return self._offer(request, block_ids)
 
@@ -566,6 +574,17 @@ class _Server:
                     if not self._in_service[pull.request_id]:
                         del self._in_service[pull.request_id]
 
+    async def _await_hold(self, pull: _Pull) -> None:
+        # The engine tells this worker what it holds in the step after the request finished; a quick
+        # consumer can pull before that step ran. Wait a little for it rather than serve blocks that
+        # nobody holds (they may already belong to another request).
+        deadline = time.monotonic() + min(self.options.timeout_s, HOLD_GRACE_S)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if pull.request_id in self._holds or pull.request_id in self._done:
+                    return
+            await asyncio.sleep(0.005)
+
     def _refusal(self, pull: _Pull) -> str:
         ids = pull.block_ids
         if int(ids.min()) < 0 or int(ids.max()) >= self.layout.num_blocks:
@@ -576,7 +595,9 @@ class _Server:
             held = self._holds.get(pull.request_id)
         if time.time() > pull.expires_at:
             return f"the lease of request {pull.request_id} expired"
-        if held is not None and not held[0].issuperset(ids.tolist()):
+        if held is None:
+            return f"request {pull.request_id} is not held by this producer"
+        if not held[0].issuperset(ids.tolist()):
             return f"blocks not held for request {pull.request_id}"
         return ""
 
@@ -588,6 +609,7 @@ class _Server:
         timeout, layout, loop = self.options.timeout_s, self.layout, asyncio.get_running_loop()
         per = max(1, min(pull.blocks_per_chunk, _MAX_CHUNK_BYTES // (layout.num_layers * layout.block_bytes)))
         n_chunks = -(-len(pull.block_ids) // per)
+        await self._await_hold(pull)
         refusal = self._refusal(pull) or ("too many chunks" if n_chunks > rtmod.MAX_CHUNKS - 1 else "")
         block_bytes = layout.num_layers * layout.block_bytes  # the real size, whatever the handshake said
         status = _status(_REFUSED if refusal else _OK, n_chunks, refusal, block_bytes, block_bytes * len(pull.block_ids))

@@ -395,7 +395,8 @@ def _closed_port() -> int:
 def test_hostile_params_reaching_the_producer_fail_those_blocks_fast(tmp_path: Path, live: Peer) -> None:
     """Well-formed but wrong params: block ids the producer does not have (it refuses the pull), too few
     block ids for num_tokens (capped: the named blocks load bit-exact), a closed metadata port
-    (PeerUnreachable). Each within DEAD_PEER_S; the worker stays usable."""
+    (PeerUnreachable), a request id the producer never held (refused: its blocks may belong to anyone
+    now). Each within a deadline; the worker stays usable."""
     consumer = _consumer(tmp_path)
     try:
         sent = live.prefill(("h-range", 100, 9), ("h-short", 100, 10), ("h-closed", 100, 11))
@@ -416,6 +417,9 @@ def test_hostile_params_reaching_the_producer_fail_those_blocks_fast(tmp_path: P
         closed = dict(sent["h-closed"], metadata_address=f"127.0.0.1:{_closed_port()}")
         ids, report, elapsed = _load_only(consumer, "h-closed-c", _tokens(100, 11), closed)
         assert report.failed_blocks == set(ids[:6]) and elapsed < DEAD_PEER_S
+        forged = dict(sent["h-closed"], request_id="never-held")  # real blocks, a request the producer never held
+        ids, report, elapsed = _load_only(consumer, "h-forged-c", _tokens(100, 11), forged)
+        assert report.failed_blocks == set(ids[:6]) and not consumer.read(ids).any()
         _assert_loads_bit_exact(consumer, live, "h-after", 60, 12)
     finally:
         consumer.close()

@@ -224,6 +224,8 @@ class MiniEngine:
                     snapshot,
                 )
             )
+        if self._held:
+            self.pump()  # as an engine does: the step after a request ends tells the worker what it holds
         return results
 
     @property
