@@ -394,41 +394,40 @@ class LMCacheStore(BlockStore):
 
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         keys = [self.lmcache_key(k) for k in op.keys]
-        objs: list[Any] = []
         staging = self._host_staging("load", layout, len(keys))
+        # LMCache reads a disk or remote hit into its CPU arena and, when the arena is full, waits for
+        # room forever: fetch in batches that fit in half of it, and give each batch back before the next.
+        per = max(1, (self.options.local_cpu_bytes // 2) // (HEADER_BYTES + layout.num_layers * layout.block_bytes))
         good = 0
         with self._session() as m:
-            try:
-                where = []
-                for key in keys:  # a prefix: the engine recomputes from the first block that is missing
-                    tier = m.sm.contains(key)
-                    if tier is None:
-                        break
-                    where.append(tier)
-                start = 0
-                while start < len(where):  # one batched_get per run of keys held by the same tier
-                    end = start
-                    while end < len(where) and where[end] == where[start]:
-                        end += 1
-                    got = m.sm.batched_get(keys[start:end], location=where[start])
-                    objs.extend(got)
-                    if len(got) != end - start or any(o is None for o in got):
-                        break
-                    start = end
-                for i, obj in enumerate(objs):
-                    if obj is None:
-                        break
-                    try:
-                        payload = self._validate(op.keys[i], obj, layout)
-                    except _Invalid as bad:
-                        self._reject(m, keys[i], where[i], str(bad), damaged=bad.damaged)
-                        break
-                    _as_words(staging[:, i]).copy_(_as_words(payload))  # LMCache's API is per object
-                    good += 1
-            finally:
-                for obj in objs:
-                    if obj is not None:
-                        obj.ref_count_down()
+            where = []
+            for key in keys:  # a prefix: the engine recomputes from the first block that is missing
+                tier = m.sm.contains(key)
+                if tier is None:
+                    break
+                where.append(tier)
+            while good < len(where):
+                end = good
+                while end < len(where) and end - good < per and where[end] == where[good]:
+                    end += 1  # one batched_get per run of keys held by the same tier
+                got = m.sm.batched_get(keys[good:end], location=where[good]) or []
+                try:
+                    for i, obj in enumerate(got, start=good):
+                        if obj is None:
+                            break
+                        try:
+                            payload = self._validate(op.keys[i], obj, layout)
+                        except _Invalid as bad:
+                            self._reject(m, keys[i], where[i], str(bad), damaged=bad.damaged)
+                            break
+                        _as_words(staging[:, i]).copy_(_as_words(payload))  # LMCache's API is per object
+                        good += 1
+                finally:
+                    for obj in got:
+                        if obj is not None:
+                            obj.ref_count_down()
+                if good < end:
+                    break
         if good:  # one vectorized scatter of the blocks that passed validation, and only those
             layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
         return op.block_ids[good:]

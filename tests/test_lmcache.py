@@ -305,3 +305,24 @@ def test_lmcache_as_a_tier_of_chain(server):
         assert consumer.worker.store.stats.promoted_blocks == 4
     finally:
         _close(producer, consumer)
+
+
+@pytest.mark.timeout(120)  # before the fix this hung for ever inside LMCache
+def test_a_load_larger_than_the_arena_completes(tmp_path):
+    """LMCache waits forever for arena room when a batched read does not fit: loads must batch under it."""
+    options = lmc.LMCacheOptions(
+        local_cpu_bytes=1 << 20, cpu_cache=False, local_disk=str(tmp_path / "d"), local_disk_bytes=64 << 20, model_name="big"
+    )
+    layout = dict(num_layers=8, num_kv_heads=8, head_size=128, num_blocks=32)  # 512 KiB per block: 2 fit the arena
+    engine = MiniEngine(lmc.LMCacheBackend(options), engine_id="e", **layout)
+    try:
+        tokens = np.random.default_rng(7).integers(0, 32000, 8 * 16 + 3).tolist()
+        for start in range(0, 8 * 16, 32):  # saved a step at a time: each save fits the arena
+            engine.prefill(f"w{start}", tokens[: start + 32])
+        t0 = time.monotonic()
+        got = engine.prefill("r", tokens, timeout=60)
+        assert time.monotonic() - t0 < 60
+        assert got.loaded_tokens == 8 * 16 and got.failed_blocks == []
+        assert torch.equal(got.snapshot[:, :8], engine.expected(got.keys[:8]))
+    finally:
+        engine.close()
