@@ -301,9 +301,14 @@ def run_save(pool: KVPool, plan: StepPlan) -> None:
 
 
 def end_save(pool: KVPool, reqs: Sequence[RequestInfo], blocks: Sequence[tuple[int, ...]]) -> list[FinishDecision]:
-    """Producer: the step's report, then every request ends; what each consumer needs."""
+    """Producer: the step's report, then every request ends, then the engine's next (idle) step, which
+    tells the worker what it holds for consumers; what each consumer needs."""
     pool.scheduler.on_report(pool.worker.poll())
-    return [pool.scheduler.on_finished(r, ids) for r, ids in zip(reqs, blocks)]
+    decisions = [pool.scheduler.on_finished(r, ids) for r, ids in zip(reqs, blocks)]
+    pool.worker.start_step(pool.scheduler.plan_step([]))
+    pool.worker.finish_step()
+    pool.scheduler.on_report(pool.worker.poll())
+    return decisions
 
 
 def plan_load(pool: KVPool, reqs: Sequence[RequestInfo], blocks: Sequence[tuple[int, ...]]) -> StepPlan:
