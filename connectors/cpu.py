@@ -208,6 +208,8 @@ class CpuPool(BlockStore):
         num_slots = _num_slots(self.options.capacity_bytes, slot_bytes)
         pin = layout.device.type == "cuda"  # pinned memory only pays (and only works) beside a GPU
         self.pool = torch.empty((layout.num_layers, num_slots, layout.block_bytes), dtype=torch.uint8, pin_memory=pin)
+        if not pin:  # fault every page in now, once: a first touch during a save costs more than the copy
+            self.pool.zero_()
         self._tags = [None] * num_slots
         if pin:
             self._stream = torch.cuda.Stream(layout.device)

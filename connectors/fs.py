@@ -81,12 +81,13 @@ class FsOptions:
     """``path``: the shared directory (created if missing). ``capacity_bytes``: 0 = unbounded, else
     evict oldest objects to stay under it. ``fsync``: flush every object before the save returns.
     ``checksum``: ``crc32`` (zlib, always there, ~3.7 GB/s here) or ``crc32c`` (hardware, ~22 GB/s,
-    needs ``pip install google-crc32c``); readers verify whichever kind an object names."""
+    needs ``pip install google-crc32c``, in ``kvbridge[fs]``; the default where it is installed);
+    readers verify whichever kind an object names."""
 
     path: str
     capacity_bytes: int = 0
     fsync: bool = False
-    checksum: Literal["crc32", "crc32c"] = "crc32"
+    checksum: Literal["crc32", "crc32c"] = dataclasses.field(default_factory=lambda: "crc32c" if _have_crc32c() else "crc32")
 
     def __post_init__(self) -> None:
         require(bool(self.path), "fs option 'path' must name a directory")
@@ -203,7 +204,7 @@ class FsStore(BlockStore):
                 fds.append((path, fd))
                 # start the kernel's read-ahead of every object now, so cold reads overlap
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            staging = self._host_staging(layout, len(fds))
+            staging = self._host_staging(layout, len(fds), "fs-load")
             arr = staging.numpy()  # numpy views are what readv fills (a tensor exports no buffer)
             tail = memoryview(bytearray(1))  # must stay empty: catches objects longer than promised
             header = memoryview(bytearray(HEADER_BYTES))
@@ -225,7 +226,7 @@ class FsStore(BlockStore):
                 os.close(fd)
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
-        staging = layout.gather(op.block_ids)
+        staging = layout.gather(op.block_ids, out=layout.scratch("fs-save", len(op.block_ids)))
         if staging.device.type != "cpu":
             staging = staging.cpu()
         arr = staging.numpy()
@@ -376,10 +377,10 @@ class FsStore(BlockStore):
                 yield st.st_mtime, st.st_size, path
 
     @staticmethod
-    def _host_staging(layout: KVLayout, n: int) -> torch.Tensor:
+    def _host_staging(layout: KVLayout, n: int, name: str) -> torch.Tensor:
         """A host buffer ``[num_layers, n, block_bytes]`` to read into (pinned when the KV is on a GPU)."""
         if layout.device.type == "cpu":
-            return layout.staging(n)
+            return layout.scratch(name, n)
         return torch.empty((layout.num_layers, n, layout.block_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
 
 

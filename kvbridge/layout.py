@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -123,6 +124,7 @@ class KVLayout:
         # copy kernels then see [num_blocks, words] instead of a 4-D tensor of 2-byte elements.
         self._word = torch.int64 if self.block_bytes % 8 == 0 else torch.uint8
         self._rows = tuple(self._as_rows(v) for v in self.layers)
+        self._scratch: dict[tuple[str, int], torch.Tensor] = {}
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -213,6 +215,25 @@ class KVLayout:
         if pin and torch.cuda.is_available():
             return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
         return torch.empty(shape, dtype=torch.uint8, device=self.device)
+
+    SCRATCH_LIMIT = 512 << 20  # larger staging is allocated per call rather than kept
+
+    def scratch(self, name: str, num_blocks: int) -> torch.Tensor:
+        """A staging buffer like :meth:`staging`, kept and reused per (``name``, thread): a fresh
+        buffer's pages fault on first touch, which costs more than the copy itself. Grown, never
+        shrunk; the caller must be done with the previous one before asking again."""
+        nbytes = self.num_layers * num_blocks * self.block_bytes
+        if nbytes > self.SCRATCH_LIMIT:
+            return self.staging(num_blocks)
+        slot = (name, threading.get_ident())
+        buf = self._scratch.get(slot)
+        if buf is None or buf.shape[1] < num_blocks:
+            buf = self.staging(max(num_blocks, 2 * (0 if buf is None else buf.shape[1])))
+            if buf.numel() > self.SCRATCH_LIMIT:
+                buf = self.staging(num_blocks)
+            buf.zero_()
+            self._scratch[slot] = buf
+        return buf[:, :num_blocks]
 
     def _as_rows(self, view: torch.Tensor) -> torch.Tensor | None:
         if not view[0].is_contiguous() or view.stride(0) != view[0].numel():
