@@ -122,7 +122,6 @@ class KVLayout:
         self._index = {name: i for i, name in enumerate(self.layer_names)}
         # Where a block is one contiguous stretch of memory, move it as a row of machine words: the
         # copy kernels then see [num_blocks, words] instead of a 4-D tensor of 2-byte elements.
-        self._word = torch.int64 if self.block_bytes % 8 == 0 else torch.uint8
         self._rows = tuple(self._as_rows(v) for v in self.layers)
         self._scratch: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -236,21 +235,20 @@ class KVLayout:
         return buf[:, :num_blocks]
 
     def _as_rows(self, view: torch.Tensor) -> torch.Tensor | None:
+        # [num_blocks, block_bytes / 8] of int64 where blocks are contiguous and word-aligned, else None
         if not view[0].is_contiguous() or view.stride(0) != view[0].numel():
             return None
-        rows = view.reshape(self.num_blocks, -1).view(torch.uint8)
-        if self._word != torch.uint8 and rows.data_ptr() % 8 == 0:
-            return rows.view(self._word)
-        self._word = torch.uint8
-        return rows
+        if self.block_bytes % 8 or view.data_ptr() % 8:
+            return None
+        return view.reshape(self.num_blocks, -1).view(torch.uint8).view(torch.int64)
 
     def _slab(self, layer: int, buf: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         # (the layer's blocks, the staging slab) as tensors of matching shape and dtype
         if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.numel() != n * self.block_bytes:
             raise LayoutError(f"staging slab must be contiguous uint8 of {n}x{self.block_bytes} bytes")
         rows = self._rows[layer]
-        if rows is not None and rows.dtype == self._word:
-            return rows, buf.view(self._word).view(n, -1)
+        if rows is not None:
+            return rows, buf.view(torch.int64).view(n, -1)
         return self.layers[layer], buf.view(self.dtype).view(n, *self.block_shape)
 
     def gather_layer(self, layer: int, block_ids: torch.Tensor, out: torch.Tensor, runs: list[tuple[int, int]] | None = None) -> None:
