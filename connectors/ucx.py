@@ -860,7 +860,7 @@ class UcxWorker(WorkerSide):
     def __init__(self, options: UcxOptions, engine: EngineInfo, stats: UcxStats):
         self.options = options
         self.engine = engine
-        self.stats = stats
+        self.stats: UcxStats = stats
         self.rt = rtmod.runtime(options.progress_mode, options.ucx_tls)
         self.server: _Server | None = None
         self._puller: _Puller | None = None

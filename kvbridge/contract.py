@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Literal
 
 from kvbridge.errors import ClosedError
 from kvbridge.layout import KVLayout
+from kvbridge.stats import TransferStats
 
 Role = Literal["producer", "consumer", "both"]
 
@@ -178,6 +179,7 @@ class WorkerReport:
 
 class _Closable:
     _closed = False
+    stats: TransferStats | None = None  # the side's counters, for logs and metrics (None: it keeps none)
 
     def _check_open(self) -> None:
         if self._closed:

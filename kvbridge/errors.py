@@ -1,8 +1,8 @@
 """kvbridge's exceptions: one root, a few families, each also a builtin where one fits.
 
 Every error that leaves a backend is one of these; UCX, gRPC and OS errors are translated where they
-cross the backend's boundary (see :func:`map_exceptions`), so callers never need to know which
-transport sits underneath.
+cross the backend's boundary (gRPC: :func:`kvbridge.metadata.wire.error_from_rpc`), so callers never
+need to know which transport sits underneath.
 
 - :class:`ConfigError` (``ValueError``) — bad options, unknown backend names (:class:`UnknownBackend`).
 - :class:`MissingDependency` (``ImportError``) — an optional extra is not installed; says what to install.
@@ -18,9 +18,6 @@ transport sits underneath.
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator, Mapping
 
 
 class KVBridgeError(Exception):
@@ -79,24 +76,6 @@ class ClosedError(KVBridgeError, RuntimeError):
     """The object was used after ``close()``."""
 
 
-@contextlib.contextmanager
-def map_exceptions(mapping: Mapping[type[BaseException], type[KVBridgeError]]) -> Iterator[None]:
-    """Translate third-party exceptions raised inside the block into kvbridge's.
-
-    The first entry of ``mapping`` whose key matches wins; the original exception is chained as
-    ``__cause__``. kvbridge's own exceptions pass through untouched.
-    """
-    try:
-        yield
-    except KVBridgeError:
-        raise
-    except BaseException as exc:
-        for source, target in mapping.items():
-            if isinstance(exc, source):
-                raise target(str(exc) or type(exc).__name__) from exc
-        raise
-
-
 __all__ = [
     "ClosedError",
     "ConfigError",
@@ -112,5 +91,4 @@ __all__ = [
     "TransferTimeout",
     "Unauthorized",
     "UnknownBackend",
-    "map_exceptions",
 ]

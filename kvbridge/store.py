@@ -130,6 +130,7 @@ class StoreScheduler(SchedulerSide):
     def __init__(self, store: BlockStore, engine: EngineInfo):
         self.store = store
         self.engine = engine
+        self.stats = store.stats
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[BlockLoad] = []
         self._hold: list[str] = []
@@ -239,6 +240,7 @@ class StoreWorker(WorkerSide):
     def __init__(self, store: BlockStore, engine: EngineInfo):
         self.store = store
         self.engine = engine
+        self.stats = store.stats
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"kvbridge-{engine.engine_id}-load")
         self._lock = threading.Lock()
         self._inflight: dict[str, concurrent.futures.Future[None]] = {}

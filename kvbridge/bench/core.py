@@ -18,10 +18,11 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kvbridge.contract import Backend, EngineInfo, FinishDecision, RequestInfo, Role, ScheduledRequest, StepPlan
+from kvbridge.contract import Backend, FinishDecision, RequestInfo, Role, ScheduledRequest, StepPlan
 from kvbridge.errors import TransferTimeout
 from kvbridge.keys import block_keys
 from kvbridge.layout import KVLayout
+from kvbridge.testing.engine import idle_step, open_engine
 
 IdPattern = Literal["contiguous", "scattered"]
 
@@ -238,16 +239,9 @@ class KVPool:
         self.layout = KVLayout.from_tensors(
             {f"layer.{i}": base[i] for i in range(shape.num_layers)}, block_size=point.block_size
         )
-        self.info = EngineInfo(
-            engine_id=engine_id,
-            block_size=point.block_size,
-            role=role,
-            namespace=namespace,
-            block_bytes=self.layout.num_layers * self.layout.block_bytes,
+        self.info, self.scheduler, self.worker = open_engine(
+            backend, self.layout, engine_id=engine_id, role=role, namespace=namespace
         )
-        self.scheduler = backend.scheduler(self.info)
-        self.worker = backend.worker(self.info)
-        self.worker.register(self.layout)
         order = (
             np.random.default_rng(seed).permutation(self.num_blocks)
             if point.ids == "scattered"
@@ -305,9 +299,7 @@ def end_save(pool: KVPool, reqs: Sequence[RequestInfo], blocks: Sequence[tuple[i
     tells the worker what it holds for consumers; what each consumer needs."""
     pool.scheduler.on_report(pool.worker.poll())
     decisions = [pool.scheduler.on_finished(r, ids) for r, ids in zip(reqs, blocks)]
-    pool.worker.start_step(pool.scheduler.plan_step([]))
-    pool.worker.finish_step()
-    pool.scheduler.on_report(pool.worker.poll())
+    idle_step(pool.scheduler, pool.worker)
     return decisions
 
 
@@ -360,11 +352,7 @@ def settle(
     held = {r.request_id for r, d in zip(reqs, decisions) if d.delay_free}
     deadline = time.perf_counter() + timeout
     while held:
-        pool.worker.start_step(pool.scheduler.plan_step([]))
-        pool.worker.finish_step()
-        report = pool.worker.poll()
-        pool.scheduler.on_report(report)
-        held -= report.finished_saving
+        held -= idle_step(pool.scheduler, pool.worker).finished_saving
         if held and time.perf_counter() > deadline:
             raise TransferTimeout(f"producer still holds {sorted(held)} after {timeout}s")
         if held:

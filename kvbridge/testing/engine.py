@@ -11,7 +11,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvbridge.contract import Backend, EngineInfo, FinishDecision, RequestInfo, Role, ScheduledRequest, WorkerReport
+from kvbridge.contract import (
+    Backend,
+    EngineInfo,
+    FinishDecision,
+    RequestInfo,
+    Role,
+    ScheduledRequest,
+    SchedulerSide,
+    WorkerReport,
+    WorkerSide,
+)
 from kvbridge.errors import TransferTimeout
 from kvbridge.keys import block_keys
 from kvbridge.layout import BLOCKS_FIRST, KVLayout
@@ -48,6 +58,32 @@ def fill_pattern(key: bytes, layer: int, nbytes: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8))
 
 
+def open_engine(
+    backend: Backend, layout: KVLayout, *, engine_id: str, role: Role, namespace: str
+) -> tuple[EngineInfo, SchedulerSide, WorkerSide]:
+    """A backend's two sides for one engine over ``layout`` (registered), as an engine opens them."""
+    info = EngineInfo(
+        engine_id=engine_id,
+        block_size=layout.fingerprint.block_size,
+        role=role,
+        namespace=namespace,
+        block_bytes=layout.num_layers * layout.block_bytes,
+    )
+    scheduler, worker = backend.scheduler(info), backend.worker(info)
+    worker.register(layout)
+    return info, scheduler, worker
+
+
+def idle_step(scheduler: SchedulerSide, worker: WorkerSide) -> WorkerReport:
+    """One engine step with nothing scheduled (an engine runs one after a request ends, and while it
+    waits on transfers): the plan reaches the worker, the worker's report reaches the scheduler."""
+    worker.start_step(scheduler.plan_step([]))
+    worker.finish_step()
+    report = worker.poll()
+    scheduler.on_report(report)
+    return report
+
+
 class MiniEngine:
     """One engine (scheduler + one worker) over a real KV cache of ``num_blocks`` blocks.
 
@@ -77,16 +113,9 @@ class MiniEngine:
             base = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
         self.kv = {f"model.layers.{i}.self_attn": base[i] for i in range(num_layers)}
         self.layout = KVLayout.from_tensors(self.kv, block_size=block_size)
-        self.info = EngineInfo(
-            engine_id=engine_id,
-            block_size=block_size,
-            role=role,
-            namespace=namespace,
-            block_bytes=self.layout.num_layers * self.layout.block_bytes,
+        self.info, self.scheduler, self.worker = open_engine(
+            backend, self.layout, engine_id=engine_id, role=role, namespace=namespace
         )
-        self.scheduler = backend.scheduler(self.info)
-        self.worker = backend.worker(self.info)
-        self.worker.register(self.layout)
         self._free = list(np.random.default_rng(seed).permutation(num_blocks).tolist())
         self._held: dict[str, list[int]] = {}  # delay_free requests -> their blocks
         self.freed_late: set[str] = set()
@@ -126,16 +155,16 @@ class MiniEngine:
             self.layout.scatter(block_ids[full:], torch.zeros(self.layout.num_layers, len(block_ids) - full, self.layout.block_bytes, dtype=torch.uint8))
 
     def pump(self) -> WorkerReport:
-        """One idle engine step: poll the worker, feed the scheduler, free held blocks."""
-        plan = self.scheduler.plan_step([])
-        self.worker.start_step(plan)
-        self.worker.finish_step()
-        report = self.worker.poll()
-        self._absorb(report)
+        """One idle engine step (:func:`idle_step`), then free the held blocks it released."""
+        report = idle_step(self.scheduler, self.worker)
+        self._free_released(report)
         return report
 
     def _absorb(self, report: WorkerReport) -> None:
         self.scheduler.on_report(report)
+        self._free_released(report)
+
+    def _free_released(self, report: WorkerReport) -> None:
         for rid in report.finished_saving:
             blocks = self._held.pop(rid, None)
             if blocks is not None:

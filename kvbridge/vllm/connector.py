@@ -230,20 +230,11 @@ class KVBridgeStats(KVConnectorStats):  # type: ignore[misc]
         return not any(self.data.values())
 
 
-def _stats_of(side: object) -> TransferStats | None:
-    """The counters a side keeps: its own ``stats``, or its store's (every store backend)."""
-    for obj in (side, getattr(side, "store", None)):
-        stats = getattr(obj, "stats", None)
-        if isinstance(stats, TransferStats):
-            return stats
-    return None
-
-
 class _Counters:
     """Per-step stats for vLLM (taken each step) and lifetime totals (for tests and debugging)."""
 
-    def __init__(self, side: object):
-        self._stats = _stats_of(side)
+    def __init__(self, side: SchedulerSide | WorkerSide):
+        self._stats = side.stats
         self._totals: dict[str, Any] = {}
 
     def take(self) -> KVBridgeStats | None:
