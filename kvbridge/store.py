@@ -121,7 +121,7 @@ class _Tracked:
     hit_blocks: int = 0  # prefix the store holds
     saved_upto: int = 0  # prompt blocks saved or already present
     load: BlockLoad | None = None  # planned and not yet reported finished
-    counted: bool = False  # hits/misses already counted (the engine may ask again)
+    looked_up: bool = False  # the store was asked (the engine may ask again; the answer must not change)
 
 
 class StoreScheduler(SchedulerSide):
@@ -146,16 +146,17 @@ class StoreScheduler(SchedulerSide):
         tracked.num_computed = num_computed_tokens
         if self.engine.role == "producer" or not request.block_keys:
             return Lookup(0)
-        try:
-            hit = self.store.contains_prefix(request.block_keys)
-        except KVBridgeError as exc:  # a store that cannot answer is a miss, not a failed request
-            log.warning("lookup failed for %s: %s", request.request_id, exc)
-            hit = 0
-        tracked.hit_blocks = hit
-        tracked.saved_upto = max(tracked.saved_upto, hit)
-        if not tracked.counted:
-            tracked.counted = True
+        if not tracked.looked_up:  # the engine asks again every step a request waits: ask the store once
+            try:
+                hit = self.store.contains_prefix(request.block_keys)
+            except KVBridgeError as exc:  # a store that cannot answer is a miss, not a failed request
+                log.warning("lookup failed for %s: %s", request.request_id, exc)
+                hit = 0
+            tracked.looked_up = True
+            tracked.hit_blocks = hit
+            tracked.saved_upto = max(tracked.saved_upto, hit)
             self.store.stats.add(hits=hit, misses=len(request.block_keys) - hit)
+        hit = tracked.hit_blocks
         loadable = min(hit * bs, request.num_prompt_tokens - 1)
         return Lookup(max(0, loadable - num_computed_tokens), is_async=True)
 

@@ -50,9 +50,9 @@ def test_scatter_leaves_other_blocks_alone():
 def test_contiguous_run_uses_slices_and_matches_index_select():
     kv = vllm_cache()
     layout = KVLayout.from_tensors(kv)
-    run = layout.gather([10, 11, 12, 13])
-    scattered = layout.gather(np.array([10, 11, 12, 13]))
-    assert torch.equal(run, scattered)
+    run = layout.gather([10, 11, 12, 13])  # one run: copied as a slice
+    shuffled = layout.gather([12, 10, 13, 11])  # no run: index_select
+    assert torch.equal(run[:, [2, 0, 3, 1]], shuffled)
     assert torch.equal(run[1].view(4, 8, 16, 128), kv["layers.1"][10:14].view(torch.uint8))
 
 
