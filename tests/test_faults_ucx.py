@@ -464,8 +464,11 @@ def _rss_mib() -> float:
 def _children() -> set[int]:
     out: set[int] = set()
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as f:
-            out |= {int(pid) for pid in f.read().split()}
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                out |= {int(pid) for pid in f.read().split()}
+        except FileNotFoundError:  # the thread ended between the listing and the read: it has no children
+            continue
     return out
 
 
