@@ -101,6 +101,73 @@ def coalesce(block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[tuple
     return list(zip(starts.tolist(), counts.tolist()))
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockAddressing:
+    """Where each block of each layer lives in memory: what a one-sided transport needs to read blocks
+    of another process's KV straight into its own, with no staging copy on either side.
+
+    Block ``b`` of layer ``l`` is the pieces ``bases[l] + b * block_stride + offset`` for each
+    ``(offset, length)`` in ``pieces``, in the order :meth:`KVLayout.gather` yields its bytes (one
+    piece where a block is contiguous; K and V apart in ``kv_first``). Two sides whose fingerprints
+    agree have the same piece lengths; offsets and strides may differ (other ``num_blocks``).
+    """
+
+    bases: tuple[int, ...]
+    block_stride: int
+    pieces: tuple[tuple[int, int], ...]
+
+    def addresses(self, block_ids: np.ndarray) -> np.ndarray:
+        """Addresses of every piece of ``block_ids`` in every layer, ``uint64 [layers * n * pieces]``,
+        layer-major; one vectorized expression (no loop over blocks)."""
+        ids = np.asarray(block_ids, dtype=np.uint64).reshape(1, -1, 1)
+        bases = np.asarray(self.bases, dtype=np.uint64).reshape(-1, 1, 1)
+        offsets = np.asarray([o for o, _ in self.pieces], dtype=np.uint64).reshape(1, 1, -1)
+        return (bases + ids * np.uint64(self.block_stride) + offsets).reshape(-1)
+
+    def lengths(self, num_blocks: int) -> np.ndarray:
+        """Lengths matching :meth:`addresses` of ``num_blocks`` blocks, ``uint64``."""
+        one = np.asarray([n for _, n in self.pieces], dtype=np.uint64)
+        return np.tile(one, len(self.bases) * num_blocks)
+
+    def to_json(self) -> str:
+        return json.dumps({"bases": list(self.bases), "block_stride": self.block_stride,
+                           "pieces": [list(p) for p in self.pieces]}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> BlockAddressing:
+        """Parse a peer's addressing; anything malformed is a :class:`LayoutMismatch`."""
+        try:
+            data = json.loads(text)
+            out = cls(tuple(int(b) for b in data["bases"]), int(data["block_stride"]),
+                      tuple((int(o), int(n)) for o, n in data["pieces"]))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise LayoutMismatch(f"malformed block addressing: {exc}") from exc
+        values = (*out.bases, out.block_stride, *(v for p in out.pieces for v in p))
+        if not out.bases or not out.pieces or any(not 0 <= v < 2**64 for v in values):
+            raise LayoutMismatch("malformed block addressing: empty or out of range")
+        return out
+
+    def check_compatible(self, other: BlockAddressing) -> None:
+        """Raise :class:`LayoutMismatch` unless ``other`` cuts blocks into the same pieces, layer for layer."""
+        if len(other.bases) != len(self.bases) or [n for _, n in other.pieces] != [n for _, n in self.pieces]:
+            raise LayoutMismatch(f"blocks are cut differently: {len(other.bases)} layers x {other.pieces} vs "
+                                 f"{len(self.bases)} x {self.pieces}")
+
+
+def _pieces(block: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    # Peel leading axes of one block until what is left is contiguous; each index over the peeled
+    # axes is then one piece, in C order (the order index_select lays a block out in staging).
+    for k in range(block.dim() + 1):
+        rest = block[(0,) * k] if k else block
+        if rest.is_contiguous():
+            break
+    size = block.element_size()
+    grids = np.meshgrid(*[np.arange(n) * s for n, s in zip(block.shape[:k], block.stride()[:k])], indexing="ij")
+    offsets = sum((g.reshape(-1) for g in grids), np.zeros(1, dtype=np.int64)) * size
+    length = int(rest.numel()) * size
+    return tuple((int(o), length) for o in np.atleast_1d(offsets))
+
+
 class KVLayout:
     """The registered KV cache of one engine worker, addressable block by block.
 
@@ -308,6 +375,21 @@ class KVLayout:
             raise LayoutError(f"blocks [{start}, {start + count}) outside [0, {self.num_blocks})")
         return view.data_ptr() + start * self.block_bytes, count * self.block_bytes
 
+    def addressing(self) -> BlockAddressing:
+        """This layout's :class:`BlockAddressing` (one-sided transports read blocks by address)."""
+        first = self.layers[0]
+        return BlockAddressing(tuple(v.data_ptr() for v in self.layers), first.stride(0) * first.element_size(),
+                               _pieces(first[0]))
+
+    def regions(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of each distinct allocation the layers live in (vLLM: often one for all
+        layers), for registering the KV with a transport once."""
+        seen: dict[int, int] = {}
+        for v in self.layers:
+            storage = v.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sorted(seen.items())
+
     def __repr__(self) -> str:
         fp = self.fingerprint
         return (
@@ -316,4 +398,4 @@ class KVLayout:
         )
 
 
-__all__ = ["BLOCKS_FIRST", "KV_FIRST", "KVLayout", "LayoutFingerprint", "coalesce"]
+__all__ = ["BLOCKS_FIRST", "KV_FIRST", "BlockAddressing", "KVLayout", "LayoutFingerprint", "coalesce"]
