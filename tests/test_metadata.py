@@ -253,7 +253,7 @@ def test_release_calls_back_once_per_request(serve: Callable[..., MetadataServer
     peer.call(server.address, "release", "decode-0", "r1")  # a retry: idempotent
     peer.call(server.address, "release", "decode-0", "r2", aborted=True)
     peer.call(server.address, "release", "decode-1", "r1")  # another consumer's r1 is another release
-    assert released == [("decode-0", "r1", False), ("decode-0", "r2", True), ("decode-1", "r1", False)]
+    assert released == [("decode-0", "r1", False, b""), ("decode-0", "r2", True, b""), ("decode-1", "r1", False, b"")]
     with pytest.raises(errors.ProtocolError, match="INVALID_ARGUMENT: request_id is empty"):
         peer.call(server.address, "release", "decode-0", "")
 
@@ -261,7 +261,7 @@ def test_release_calls_back_once_per_request(serve: Callable[..., MetadataServer
 def test_release_whose_callback_fails_can_be_retried(serve: Callable[..., MetadataServer]) -> None:
     calls: list[str] = []
 
-    def flaky(engine_id: str, request_id: str, aborted: bool) -> None:
+    def flaky(engine_id: str, request_id: str, aborted: bool, grant: bytes) -> None:
         calls.append(request_id)
         if len(calls) == 1:
             raise RuntimeError("engine busy")
@@ -531,7 +531,7 @@ def test_token_is_checked_on_every_call_but_health(serve: Callable[..., Metadata
     assert peer.call(server.address, "health")  # open: load balancers probe it without the token
     assert peer.call(server.address, "handshake", CONSUMER, token="s3cret") == PRODUCER
     peer.call(server.address, "release", "decode-0", "r1", token="s3cret")
-    assert released == [("decode-0", "r1", False)]
+    assert released == [("decode-0", "r1", False, b"")]
     with grpc.insecure_channel(server.address) as channel:  # reflection too is behind the token
         stream = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
         with pytest.raises(grpc.RpcError) as info:

@@ -87,10 +87,14 @@ class MetadataClient:
         wire.check_compatible(info, theirs, what="server")
         return theirs
 
-    def release(self, engine_id: str, request_id: str, *, aborted: bool = False) -> None:
-        """Tell the producer that ``engine_id`` received (or gave up, ``aborted``) the blocks of ``request_id``."""
-        self._call("Release", self._peer.Release,
-                   pb.ReleaseRequest(engine_id=engine_id, request_id=request_id, aborted=aborted))
+    def release(self, engine_id: str, request_id: str, *, aborted: bool = False, grant: bytes = b"") -> bool:
+        """Tell the producer that ``engine_id`` received (or gave up, ``aborted``) the blocks of ``request_id``.
+
+        Returns whether the producer held them from the hand-off until this call (``False`` for a
+        repeat): a one-sided reader counts the bytes it read as loaded only when it did."""
+        reply = self._call("Release", self._peer.Release,
+                           pb.ReleaseRequest(engine_id=engine_id, request_id=request_id, aborted=aborted, grant=grant))
+        return bool(reply.held) and not reply.duplicate
 
     def publish(self, holder: str, hashes: Sequence[bytes], *, address: str = "", ttl_s: float) -> None:
         """Add ``hashes`` to what ``holder`` holds and (re)start its lease; ``address=""`` keeps the last one."""

@@ -46,7 +46,7 @@ from kvbridge.v1 import metadata_pb2 as pb
 log = logging.getLogger(__name__)
 
 HandshakeCallback = Callable[[PeerInfo], PeerInfo]
-ReleaseCallback = Callable[[str, str, bool], None]
+ReleaseCallback = Callable[[str, str, bool, bytes], "bool | None"]
 
 _PEER = pb.DESCRIPTOR.services_by_name["Peer"].full_name
 _DIRECTORY = pb.DESCRIPTOR.services_by_name["Directory"].full_name
@@ -98,8 +98,10 @@ class MetadataServer:
     ``on_handshake(peer) -> ours`` answers a handshake with the embedder's own :class:`PeerInfo`; it may
     raise :class:`~kvbridge.errors.LayoutMismatch` / :class:`~kvbridge.errors.ProtocolError` to refuse,
     and the server itself refuses a peer whose protocol version it does not speak or whose layout
-    differs from the answer. ``on_release(engine_id, request_id, aborted)`` is called once per
-    ``(engine_id, request_id)``: repeats (a client's retries) answer ``duplicate`` without calling it
+    differs from the answer. ``on_release(engine_id, request_id, aborted, grant) -> held`` is called once per
+    ``(engine_id, request_id)`` (``grant``: the opaque bytes the consumer got in the transfer params; the
+    answer ``held``, true when the blocks stayed held until now, goes back to the consumer; ``None`` is
+    false): repeats (a client's retries) answer ``duplicate`` (and not held) without calling it
     again — among the last ``release_memory`` releases; it should still tolerate an unknown request.
     A callback that raises fails the call (INTERNAL) and leaves it un-remembered, so a retry calls again.
     Callbacks run on the server's worker threads, possibly several at once: they must be thread-safe
@@ -263,12 +265,12 @@ class MetadataServer:
             while len(self._released) > self._release_memory:
                 self._released.popitem(last=False)
         try:
-            self._on_release(key[0], key[1], request.aborted)
+            held = self._on_release(key[0], key[1], request.aborted, bytes(request.grant))
         except BaseException:
             with self._release_lock:
                 self._released.pop(key, None)
             raise
-        return pb.ReleaseResponse(duplicate=False)
+        return pb.ReleaseResponse(duplicate=False, held=bool(held))
 
     def _dir(self) -> Directory:
         if self.directory is None:

@@ -40,20 +40,24 @@ class HandshakeResponse(_message.Message):
     def __init__(self, peer: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "aborted")
+    __slots__ = ("engine_id", "request_id", "aborted", "grant")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     aborted: bool
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., aborted: bool = ...) -> None: ...
+    grant: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., aborted: bool = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("duplicate",)
+    __slots__ = ("duplicate", "held")
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     duplicate: bool
-    def __init__(self, duplicate: bool = ...) -> None: ...
+    held: bool
+    def __init__(self, duplicate: bool = ..., held: bool = ...) -> None: ...
 
 class PublishRequest(_message.Message):
     __slots__ = ("holder", "address", "hashes", "ttl_s")
