@@ -1,0 +1,1177 @@
+/* kvbridge._ucp: the one-sided data plane, in plain C over ucp's stable C API and the CPython API.
+ *
+ * What lives here and why it is C: a KV hand-off is thousands of (remote, local, length) descriptors per
+ * request.  Python may describe them only as arrays; posting, merging and waiting happen here with the GIL
+ * released, so the per-descriptor cost is a function call, not an interpreter round trip.
+ *
+ *   cma_read(pid, remote, local, lengths)        process_vm_readv of descriptors (the raw same-host lane)
+ *   Context(tls=None, progress_thread=False)     one ucp context + one worker, guarded by one mutex
+ *     .address .map() .connect() .progress() .close()
+ *   Region    (.rkey .address .length .memory_type .close())
+ *   Endpoint  (.add_rkey() .get() .put() .failed .info() .close())
+ *
+ * Concurrency: the worker is UCS_THREAD_MODE_SERIALIZED and every ucp call on it is made with the
+ * context's mutex held; the mutex is never held while sleeping, and the GIL is never taken while it is
+ * held (so the two cannot deadlock).  Python objects hold strong references upward (Region/Endpoint ->
+ * Context), so nothing ucp-side is destroyed under its users; Context.close() closes its children first.
+ *
+ * Failure: every wait has a deadline.  A transfer that fails or times out force-closes its endpoint and
+ * waits (bounded) for UCX to retire what was posted, so no byte lands in local memory after the call
+ * returns; the endpoint then stays failed.  Nothing here aborts the process on a peer's death, with the
+ * one exception UCX itself imposes: error_handling=False (documented as unsafe).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <ucp/api/ucp.h>
+
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
+
+#define THREAD_POLL_MS 50     /* progress thread sleep on the event fd: bounds how long close() waits */
+#define WAIT_POLL_MS 2        /* a transfer's sleep on the event fd: re-checks even if a wakeup is missed */
+#define IDLE_SPINS 64         /* empty progress rounds (sched_yield between) before sleeping on the fd */
+#define THREAD_BATCH 64       /* progress rounds the thread makes per mutex hold, so callers get a turn */
+#define ABORT_WAIT_S 2.0      /* how long a failed transfer waits for UCX to retire its requests */
+#define CLOSE_WAIT_S 2.0      /* how long a graceful endpoint close may take */
+#define IDLE_WAIT_S 30.0      /* how long Context.close waits for transfers in other threads to end */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static PyObject *ucs_error(PyObject *exc, const char *what, ucs_status_t st) {
+    PyErr_Format(exc, "%s: %s", what, ucs_status_string(st));
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------------- descriptor arrays */
+
+/* One descriptor argument: a C-contiguous array of unsigned integers, or (where allowed) one scalar
+ * that applies to every descriptor.  The view is held for the whole call, GIL released or not. */
+typedef struct {
+    Py_buffer view;
+    int has_view;
+    const void *data; /* NULL: use scalar */
+    uint64_t scalar;
+    Py_ssize_t n;     /* -1 for a scalar */
+    int itemsize;
+} vec_arg;
+
+static int format_ok(const char *fmt, int itemsize) {
+    if (fmt == NULL) return 0;
+    /* native or little-endian markers only: this is a same-host array of machine words */
+    if (*fmt == '@' || *fmt == '=' || *fmt == '<') fmt++;
+    if (fmt[0] == '\0' || fmt[1] != '\0') return 0;
+    if (itemsize == 8) return fmt[0] == 'Q' || fmt[0] == 'L' || fmt[0] == 'K';
+    return fmt[0] == 'I' || fmt[0] == 'L';
+}
+
+static int vec_parse(PyObject *o, const char *name, int itemsize, int allow_scalar, vec_arg *v) {
+    memset(v, 0, sizeof(*v));
+    v->itemsize = itemsize;
+    v->n = -1;
+    if (allow_scalar && PyLong_Check(o)) {
+        unsigned long long x = PyLong_AsUnsignedLongLong(o);
+        if (PyErr_Occurred() || (itemsize == 4 && x > UINT32_MAX)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s: scalar out of range for uint%d", name, itemsize * 8);
+            return -1;
+        }
+        v->scalar = x;
+        return 0;
+    }
+    if (!PyObject_CheckBuffer(o)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a uint%d array%s, got %.80s", name, itemsize * 8,
+                     allow_scalar ? " or an int" : "", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    if (PyObject_GetBuffer(o, &v->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear(); /* numpy says BufferError; callers want one exception type for bad input */
+        PyErr_Format(PyExc_ValueError, "%s: need a C-contiguous uint%d array", name, itemsize * 8);
+        return -1;
+    }
+    v->has_view = 1;
+    if (v->view.itemsize != itemsize || !format_ok(v->view.format, itemsize)) {
+        PyErr_Format(PyExc_ValueError, "%s: need uint%d items, got format '%s' itemsize %zd", name, itemsize * 8,
+                     v->view.format ? v->view.format : "B", v->view.itemsize);
+        PyBuffer_Release(&v->view);
+        v->has_view = 0;
+        return -1;
+    }
+    v->data = v->view.buf;
+    v->n = v->view.len / itemsize;
+    return 0;
+}
+
+static void vec_release(vec_arg *v) {
+    if (v->has_view) PyBuffer_Release(&v->view);
+    v->has_view = 0;
+}
+
+static inline uint64_t vec_u64(const vec_arg *v, Py_ssize_t i) {
+    return v->data ? ((const uint64_t *)v->data)[i] : v->scalar;
+}
+
+static inline uint32_t vec_u32(const vec_arg *v, Py_ssize_t i) {
+    return v->data ? ((const uint32_t *)v->data)[i] : (uint32_t)v->scalar;
+}
+
+/* The common shape of every transfer call: remote and local arrays, lengths array-or-int, and for ucp
+ * transfers an rkey index array-or-int.  All arrays must agree on the count. */
+typedef struct {
+    vec_arg remote, local, lengths, index;
+    Py_ssize_t n;
+} descs;
+
+static void descs_release(descs *d) {
+    vec_release(&d->remote);
+    vec_release(&d->local);
+    vec_release(&d->lengths);
+    vec_release(&d->index);
+}
+
+static int descs_count(descs *d, const vec_arg *v, const char *name) {
+    if (v->n < 0 || v->n == d->n) return 0;
+    PyErr_Format(PyExc_ValueError, "%s: %zd descriptors, but remote has %zd", name, v->n, d->n);
+    return -1;
+}
+
+static int descs_parse(descs *d, PyObject *remote, PyObject *local, PyObject *lengths, PyObject *index) {
+    memset(d, 0, sizeof(*d));
+    if (vec_parse(remote, "remote", 8, 0, &d->remote) < 0) return -1;
+    d->n = d->remote.n;
+    if (vec_parse(local, "local", 8, 0, &d->local) < 0 || descs_count(d, &d->local, "local") < 0) goto fail;
+    if (vec_parse(lengths, "lengths", 8, 1, &d->lengths) < 0 || descs_count(d, &d->lengths, "lengths") < 0)
+        goto fail;
+    if (index != NULL &&
+        (vec_parse(index, "rkey_index", 4, 1, &d->index) < 0 || descs_count(d, &d->index, "rkey_index") < 0))
+        goto fail;
+    return 0;
+fail:
+    descs_release(d);
+    return -1;
+}
+
+/* ---------------------------------------------------------------------------------------- cma_read */
+
+/* Drop the first `got` bytes from a batch of paired iovecs (a partial read may stop mid-element) and
+ * shift what is left to the front.  Returns the number of pairs left. */
+static int iov_consume(struct iovec *liov, struct iovec *riov, int k, size_t got) {
+    int first = 0;
+    while (first < k && got >= liov[first].iov_len) got -= liov[first++].iov_len;
+    if (first < k && got > 0) {
+        liov[first].iov_base = (char *)liov[first].iov_base + got;
+        riov[first].iov_base = (char *)riov[first].iov_base + got;
+        liov[first].iov_len -= got;
+        riov[first].iov_len -= got;
+    }
+    memmove(liov, liov + first, (size_t)(k - first) * sizeof(*liov));
+    memmove(riov, riov + first, (size_t)(k - first) * sizeof(*riov));
+    return k - first;
+}
+
+/* Runs with the GIL released.  Pairs share lengths, so each pair is one merged run of descriptors
+ * that continue each other on both sides.  Returns 0 or an errno. */
+static int cma_copy(pid_t pid, const descs *d, uint64_t *total) {
+    static __thread struct iovec liov[IOV_MAX], riov[IOV_MAX];
+    Py_ssize_t i = 0;
+    int k = 0;
+    *total = 0;
+    for (;;) {
+        for (; i < d->n; i++) {
+            uint64_t r = vec_u64(&d->remote, i), l = vec_u64(&d->local, i), n = vec_u64(&d->lengths, i);
+            if (n == 0) continue;
+            if (k > 0 && (uint64_t)(uintptr_t)riov[k - 1].iov_base + riov[k - 1].iov_len == r &&
+                (uint64_t)(uintptr_t)liov[k - 1].iov_base + liov[k - 1].iov_len == l) {
+                liov[k - 1].iov_len += n;
+                riov[k - 1].iov_len += n;
+                continue;
+            }
+            if (k == IOV_MAX) break;
+            liov[k] = (struct iovec){(void *)(uintptr_t)l, n};
+            riov[k] = (struct iovec){(void *)(uintptr_t)r, n};
+            k++;
+        }
+        if (k == 0) return 0;
+        ssize_t got = process_vm_readv(pid, liov, (unsigned long)k, riov, (unsigned long)k, 0);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (got == 0) return EFAULT; /* the first remote range is unreadable: no progress possible */
+        *total += (uint64_t)got;
+        k = iov_consume(liov, riov, k, (size_t)got);
+    }
+}
+
+static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"pid", "remote", "local", "lengths", NULL};
+    int pid;
+    PyObject *ro, *lo, *no;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO", kwlist, &pid, &ro, &lo, &no)) return NULL;
+    descs d;
+    if (descs_parse(&d, ro, lo, no, NULL) < 0) return NULL;
+    uint64_t total = 0;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = cma_copy((pid_t)pid, &d, &total);
+    Py_END_ALLOW_THREADS
+    descs_release(&d);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLongLong(total);
+}
+
+/* ------------------------------------------------------------------------------------------ Context */
+
+enum { CTX_OPEN, CTX_CLOSING, CTX_CLOSED };
+
+struct ContextObject;
+
+/* Regions and endpoints start with this header: the context keeps them on a list (GIL-protected) so
+ * close() can release them before the worker they belong to. */
+#define CHILD_HEAD                      \
+    PyObject_HEAD                       \
+    struct ContextObject *ctx;          \
+    struct ChildObject *prev, *next;
+
+typedef struct ChildObject {
+    CHILD_HEAD
+} ChildObject;
+
+typedef struct ContextObject {
+    PyObject_HEAD
+    ucp_context_h ucp;
+    ucp_worker_h worker;
+    int efd;
+    pthread_mutex_t lock;  /* every ucp call on ucp/worker, and the fields below */
+    pthread_cond_t idle;   /* signalled when busy drops to 0 */
+    int busy;              /* calls inside a transfer or close with the mutex dropped */
+    int state;
+    int have_thread;
+    pthread_t thread;
+    atomic_int stop;
+    PyObject *address;     /* bytes, read once */
+    ChildObject *children;
+} ContextObject;
+
+static PyTypeObject ContextType, RegionType, EndpointType;
+
+static void child_link(ContextObject *c, ChildObject *ch) {
+    Py_INCREF(c);
+    ch->ctx = c;
+    ch->prev = NULL;
+    ch->next = c->children;
+    if (c->children) c->children->prev = ch;
+    c->children = ch;
+}
+
+static void child_unlink(ChildObject *ch) {
+    ContextObject *c = ch->ctx;
+    if (c == NULL) return;
+    if (ch->prev) ch->prev->next = ch->next;
+    else c->children = ch->next;
+    if (ch->next) ch->next->prev = ch->prev;
+    ch->ctx = NULL;
+    Py_DECREF(c);
+}
+
+static void busy_enter(ContextObject *c) { c->busy++; } /* mutex held */
+
+static void busy_leave(ContextObject *c) { /* mutex held */
+    if (--c->busy == 0) pthread_cond_broadcast(&c->idle);
+}
+
+/* Sleep on the worker's event fd (mutex NOT held) for at most ms; a no-op wait if arming fails. */
+static void wait_events(ContextObject *c, int ms) {
+    pthread_mutex_lock(&c->lock);
+    ucs_status_t st = ucp_worker_arm(c->worker);
+    pthread_mutex_unlock(&c->lock);
+    if (st == UCS_OK) {
+        struct pollfd p = {.fd = c->efd, .events = POLLIN};
+        poll(&p, 1, ms);
+    } else if (st != UCS_ERR_BUSY) {
+        usleep(200); /* this worker cannot sleep on events: poll it slowly instead */
+    }
+}
+
+/* The passive side of a GET over tcp/sm is served by this worker's progress, so a producer runs this
+ * thread for as long as its context lives.  It never touches Python. */
+static void *progress_main(void *arg) {
+    ContextObject *c = arg;
+    while (!atomic_load(&c->stop)) {
+        unsigned n = 1;
+        pthread_mutex_lock(&c->lock);
+        for (int i = 0; i < THREAD_BATCH && n; i++) n = ucp_worker_progress(c->worker);
+        pthread_mutex_unlock(&c->lock);
+        if (n) continue; /* still busy: let a caller take the mutex, then go on */
+        wait_events(c, THREAD_POLL_MS);
+    }
+    return NULL;
+}
+
+static int ctx_start(ContextObject *c, const char *tls) {
+    ucp_config_t *cfg;
+    ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
+    if (st != UCS_OK) return ucs_error(PyExc_RuntimeError, "ucp_config_read", st), -1;
+    if (tls) st = ucp_config_modify(cfg, "TLS", tls);
+    if (st != UCS_OK) {
+        ucp_config_release(cfg);
+        return ucs_error(PyExc_RuntimeError, "ucp_config_modify(TLS)", st), -1;
+    }
+    ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP};
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_init(&p, cfg, &c->ucp);
+    Py_END_ALLOW_THREADS
+    ucp_config_release(cfg);
+    if (st != UCS_OK) return ucs_error(PyExc_RuntimeError, "ucp_init", st), -1;
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SERIALIZED};
+    Py_BEGIN_ALLOW_THREADS
+    st = ucp_worker_create(c->ucp, &wp, &c->worker);
+    Py_END_ALLOW_THREADS
+    if (st != UCS_OK) return ucs_error(PyExc_RuntimeError, "ucp_worker_create", st), -1;
+    st = ucp_worker_get_efd(c->worker, &c->efd);
+    if (st != UCS_OK) return ucs_error(PyExc_RuntimeError, "ucp_worker_get_efd", st), -1;
+    ucp_address_t *addr;
+    size_t len;
+    st = ucp_worker_get_address(c->worker, &addr, &len);
+    if (st != UCS_OK) return ucs_error(PyExc_RuntimeError, "ucp_worker_get_address", st), -1;
+    c->address = PyBytes_FromStringAndSize((const char *)addr, (Py_ssize_t)len);
+    ucp_worker_release_address(c->worker, addr);
+    return c->address ? 0 : -1;
+}
+
+/* Undo ctx_start (and the thread); only once no child holds ucp resources. */
+static void ctx_destroy_ucp(ContextObject *c) {
+    pthread_mutex_lock(&c->lock);
+    if (c->worker) ucp_worker_destroy(c->worker);
+    if (c->ucp) ucp_cleanup(c->ucp);
+    c->worker = NULL;
+    c->ucp = NULL;
+    c->state = CTX_CLOSED;
+    pthread_mutex_unlock(&c->lock);
+}
+
+static void ctx_stop_thread(ContextObject *c) {
+    if (!c->have_thread) return;
+    atomic_store(&c->stop, 1);
+    ucp_worker_signal(c->worker); /* safe from any thread: wakes the poll() at once */
+    pthread_join(c->thread, NULL);
+    c->have_thread = 0;
+}
+
+static PyObject *context_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"tls", "progress_thread", NULL};
+    const char *tls = NULL;
+    int thread = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zp", kwlist, &tls, &thread)) return NULL;
+    ContextObject *c = (ContextObject *)type->tp_alloc(type, 0);
+    if (!c) return NULL;
+    c->efd = -1;
+    pthread_mutex_init(&c->lock, NULL);
+    pthread_cond_init(&c->idle, NULL);
+    atomic_init(&c->stop, 0);
+    c->state = CTX_CLOSING; /* until started: dealloc then only destroys what exists */
+    if (ctx_start(c, tls) < 0) goto fail;
+    if (thread) {
+        int err = pthread_create(&c->thread, NULL, progress_main, c);
+        if (err) {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto fail;
+        }
+        c->have_thread = 1;
+    }
+    c->state = CTX_OPEN;
+    return (PyObject *)c;
+fail:
+    Py_DECREF(c);
+    return NULL;
+}
+
+static int region_release(ChildObject *ch);
+static int endpoint_release(ChildObject *ch, int force);
+
+/* Close in dependency order: thread, in-flight calls, endpoints (their rkeys), regions, worker, context. */
+static int ctx_close(ContextObject *c) {
+    pthread_mutex_lock(&c->lock);
+    int mine = c->state == CTX_OPEN;
+    if (mine) c->state = CTX_CLOSING;
+    pthread_mutex_unlock(&c->lock);
+    if (!mine) return 0; /* closed already, or another thread is closing it */
+    int idle = 1;
+    Py_BEGIN_ALLOW_THREADS
+    ctx_stop_thread(c);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += (time_t)IDLE_WAIT_S;
+    pthread_mutex_lock(&c->lock);
+    while (c->busy > 0 && idle) idle = pthread_cond_timedwait(&c->idle, &c->lock, &until) != ETIMEDOUT;
+    pthread_mutex_unlock(&c->lock);
+    Py_END_ALLOW_THREADS
+    if (!idle) {
+        /* a transfer is still inside ucp: destroying the worker now would crash it; stay CLOSING */
+        PyErr_SetString(PyExc_RuntimeError, "Context.close: transfers still running after 30 s");
+        return -1;
+    }
+    /* endpoints first: their close may need the regions' memory handles to be retired */
+    for (int pass = 0; pass < 2; pass++) {
+        PyObject *kids = PyList_New(0);
+        if (!kids) return -1;
+        for (ChildObject *ch = c->children; ch; ch = ch->next)
+            if (PyList_Append(kids, (PyObject *)ch) < 0) return Py_DECREF(kids), -1;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(kids); i++) {
+            ChildObject *ch = (ChildObject *)PyList_GET_ITEM(kids, i);
+            int rc = 0;
+            if (pass == 0 && Py_IS_TYPE(ch, &EndpointType)) rc = endpoint_release(ch, 0);
+            if (pass == 1 && Py_IS_TYPE(ch, &RegionType)) rc = region_release(ch);
+            if (rc < 0) PyErr_Clear(); /* cannot be busy once idle; never leave close half done */
+        }
+        Py_DECREF(kids);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ctx_destroy_ucp(c);
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
+static void context_dealloc(ContextObject *c) {
+    /* children hold references, so none is alive here: only the thread and ucp objects remain */
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (c->state == CTX_OPEN) {
+        if (ctx_close(c) < 0) PyErr_WriteUnraisable((PyObject *)c);
+    } else if (c->state == CTX_CLOSING) { /* construction failed part way */
+        ctx_stop_thread(c);
+        ctx_destroy_ucp(c);
+    }
+    PyErr_Restore(et, ev, tb);
+    Py_XDECREF(c->address);
+    pthread_cond_destroy(&c->idle);
+    pthread_mutex_destroy(&c->lock);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int ctx_check_open(ContextObject *c) { /* GIL held; state only changes from OPEN under GIL+mutex */
+    if (c->state == CTX_OPEN) return 0;
+    PyErr_SetString(PyExc_ValueError, "Context is closed");
+    return -1;
+}
+
+static PyObject *context_close(ContextObject *c, PyObject *unused) {
+    if (ctx_close(c) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *context_address(ContextObject *c, void *closure) {
+    if (ctx_check_open(c) < 0) return NULL;
+    return Py_NewRef(c->address);
+}
+
+static PyObject *context_closed(ContextObject *c, void *closure) { return PyBool_FromLong(c->state != CTX_OPEN); }
+
+static PyObject *context_progress(ContextObject *c, PyObject *unused) {
+    unsigned n = 0;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&c->lock);
+    ok = c->state == CTX_OPEN;
+    if (ok) n = ucp_worker_progress(c->worker);
+    pthread_mutex_unlock(&c->lock);
+    Py_END_ALLOW_THREADS
+    if (!ok) return PyErr_SetString(PyExc_ValueError, "Context is closed"), NULL;
+    return PyLong_FromUnsignedLong(n);
+}
+
+/* ------------------------------------------------------------------------------------------- Region */
+
+typedef struct {
+    CHILD_HEAD
+    ucp_mem_h memh;
+    uint64_t address, length;
+    ucs_memory_type_t mtype;
+    int inuse; /* transfers using memh right now (mutex) */
+    PyObject *rkey;
+} RegionObject;
+
+static const struct {
+    const char *name;
+    ucs_memory_type_t type;
+} MEMORY_TYPES[] = {
+    {"host", UCS_MEMORY_TYPE_HOST},
+    {"cuda", UCS_MEMORY_TYPE_CUDA},
+    {"cuda-managed", UCS_MEMORY_TYPE_CUDA_MANAGED},
+};
+
+static int memory_type_parse(const char *name, ucs_memory_type_t *out) {
+    for (size_t i = 0; i < sizeof(MEMORY_TYPES) / sizeof(MEMORY_TYPES[0]); i++)
+        if (strcmp(name, MEMORY_TYPES[i].name) == 0) return *out = MEMORY_TYPES[i].type, 0;
+    PyErr_Format(PyExc_ValueError, "memory_type: '%s' is not one of host, cuda, cuda-managed", name);
+    return -1;
+}
+
+/* Map and pack under one mutex hold; on any failure nothing stays mapped. */
+static ucs_status_t region_map(ContextObject *c, RegionObject *r, const char **what, void **buf, size_t *len) {
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+        .address = (void *)(uintptr_t)r->address,
+        .length = r->length,
+        .memory_type = r->mtype,
+    };
+    ucs_status_t st = UCS_ERR_CANCELED;
+    *what = "Context is closed";
+    pthread_mutex_lock(&c->lock);
+    if (c->state == CTX_OPEN) {
+        *what = "ucp_mem_map";
+        st = ucp_mem_map(c->ucp, &mp, &r->memh);
+        if (st == UCS_OK) {
+            *what = "ucp_rkey_pack";
+            st = ucp_rkey_pack(c->ucp, r->memh, buf, len);
+            if (st != UCS_OK) ucp_mem_unmap(c->ucp, r->memh), r->memh = NULL;
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+static PyObject *context_map(ContextObject *c, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"address", "length", "memory_type", NULL};
+    unsigned long long addr, length;
+    const char *mt = "host";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KK|s", kwlist, &addr, &length, &mt)) return NULL;
+    ucs_memory_type_t type;
+    if (memory_type_parse(mt, &type) < 0 || ctx_check_open(c) < 0) return NULL;
+    if (length == 0 || addr == 0 || addr + length < addr)
+        return PyErr_SetString(PyExc_ValueError, "map: need a non-empty range at a non-null address"), NULL;
+    RegionObject *r = PyObject_New(RegionObject, &RegionType);
+    if (!r) return NULL;
+    r->ctx = NULL;
+    r->memh = NULL;
+    r->rkey = NULL;
+    r->address = addr;
+    r->length = length;
+    r->mtype = type;
+    r->inuse = 0;
+    const char *what;
+    ucs_status_t st;
+    void *buf = NULL;
+    size_t len = 0;
+    Py_BEGIN_ALLOW_THREADS
+    st = region_map(c, r, &what, &buf, &len);
+    Py_END_ALLOW_THREADS
+    if (st == UCS_OK) {
+        /* packed once: the key never changes while the region is mapped */
+        r->rkey = PyBytes_FromStringAndSize(buf, (Py_ssize_t)len);
+        ucp_rkey_buffer_release(buf);
+    }
+    if (st != UCS_OK || !r->rkey) {
+        PyObject *exc = st == UCS_ERR_CANCELED ? PyExc_ValueError : PyExc_RuntimeError;
+        if (st == UCS_OK) { /* out of memory for the bytes: undo the mapping */
+            pthread_mutex_lock(&c->lock);
+            ucp_mem_unmap(c->ucp, r->memh);
+            pthread_mutex_unlock(&c->lock);
+            r->memh = NULL;
+        } else if (st == UCS_ERR_CANCELED) {
+            PyErr_SetString(exc, what);
+        } else {
+            ucs_error(exc, what, st);
+        }
+        Py_DECREF(r);
+        return NULL;
+    }
+    child_link(c, (ChildObject *)r);
+    return (PyObject *)r;
+}
+
+static int region_release(ChildObject *ch) { /* GIL held */
+    RegionObject *r = (RegionObject *)ch;
+    ContextObject *c = r->ctx;
+    int busy = 0;
+    if (c == NULL) return 0;
+    pthread_mutex_lock(&c->lock);
+    if (r->inuse) busy = 1;
+    else if (r->memh && c->ucp) ucp_mem_unmap(c->ucp, r->memh);
+    if (!busy) r->memh = NULL;
+    pthread_mutex_unlock(&c->lock);
+    if (busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Region.close: a transfer is using this region");
+        return -1;
+    }
+    return 0;
+}
+
+static void region_dealloc(RegionObject *r) {
+    region_release((ChildObject *)r); /* cannot be in use: a transfer holds a reference */
+    child_unlink((ChildObject *)r);
+    Py_XDECREF(r->rkey);
+    PyObject_Free(r);
+}
+
+static PyObject *region_close(RegionObject *r, PyObject *unused) {
+    if (region_release((ChildObject *)r) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *region_rkey(RegionObject *r, void *closure) {
+    if (r->memh == NULL) return PyErr_SetString(PyExc_ValueError, "Region is closed"), NULL;
+    return Py_NewRef(r->rkey);
+}
+
+static PyObject *region_address(RegionObject *r, void *c) { return PyLong_FromUnsignedLongLong(r->address); }
+static PyObject *region_length(RegionObject *r, void *c) { return PyLong_FromUnsignedLongLong(r->length); }
+static PyObject *region_closed(RegionObject *r, void *c) { return PyBool_FromLong(r->memh == NULL); }
+
+static PyObject *region_memory_type(RegionObject *r, void *c) {
+    for (size_t i = 0; i < sizeof(MEMORY_TYPES) / sizeof(MEMORY_TYPES[0]); i++)
+        if (MEMORY_TYPES[i].type == r->mtype) return PyUnicode_FromString(MEMORY_TYPES[i].name);
+    Py_RETURN_NONE;
+}
+
+/* ----------------------------------------------------------------------------------------- Endpoint */
+
+typedef struct {
+    CHILD_HEAD
+    ucp_ep_h ep;            /* NULL once closed or failed */
+    ucp_rkey_h *rkeys;
+    uint32_t nrkeys, cap;
+    ucs_status_t peer;      /* written by the error callback, under the mutex (it runs inside progress) */
+    int inflight;           /* transfers on this endpoint right now */
+    int closing;            /* close() under way: no new transfer may start */
+    int error_handling;
+    char failed[192];       /* why it became unusable; "" while healthy */
+} EndpointObject;
+
+static void ep_error_cb(void *arg, ucp_ep_h ep, ucs_status_t status) {
+    EndpointObject *e = arg; /* no Python here: runs in whichever thread progressed the worker */
+    if (e->peer == UCS_OK) e->peer = status;
+}
+
+static PyObject *context_connect(ContextObject *c, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"worker_address", "error_handling", NULL};
+    Py_buffer addr;
+    int eh = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*|p", kwlist, &addr, &eh)) return NULL;
+    if (ctx_check_open(c) < 0) return PyBuffer_Release(&addr), NULL;
+    EndpointObject *e = PyObject_New(EndpointObject, &EndpointType);
+    if (!e) return PyBuffer_Release(&addr), NULL;
+    e->ctx = NULL;
+    e->ep = NULL;
+    e->rkeys = NULL;
+    e->nrkeys = e->cap = 0;
+    e->peer = UCS_OK;
+    e->inflight = 0;
+    e->closing = 0;
+    e->error_handling = eh;
+    e->failed[0] = '\0';
+    ucp_ep_params_t p = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        .address = (const ucp_address_t *)addr.buf,
+        .err_mode = eh ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE,
+    };
+    if (eh) {
+        p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        p.err_handler.cb = ep_error_cb;
+        p.err_handler.arg = e; /* e outlives its ucp ep: dealloc closes the ep before freeing e */
+    }
+    ucs_status_t st = UCS_ERR_CANCELED;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&c->lock);
+    if (c->state == CTX_OPEN) st = ucp_ep_create(c->worker, &p, &e->ep);
+    pthread_mutex_unlock(&c->lock);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&addr);
+    if (st != UCS_OK) {
+        e->ep = NULL;
+        Py_DECREF(e);
+        if (st == UCS_ERR_CANCELED) return PyErr_SetString(PyExc_ValueError, "Context is closed"), NULL;
+        return ucs_error(PyExc_RuntimeError, "ucp_ep_create", st);
+    }
+    child_link(c, (ChildObject *)e);
+    return (PyObject *)e;
+}
+
+static int req_done(void *req) { return req == NULL || ucp_request_check_status(req) != UCS_INPROGRESS; }
+
+/* Progress until both requests completed or `until` passes; mutex NOT held on entry. */
+static int wait_reqs(ContextObject *c, void *a, void *b, double until) {
+    for (int spins = 0;;) {
+        pthread_mutex_lock(&c->lock);
+        unsigned n = ucp_worker_progress(c->worker);
+        int done = req_done(a) && req_done(b);
+        pthread_mutex_unlock(&c->lock);
+        if (done) return 1;
+        if (now_s() >= until) return 0;
+        if (n) continue;
+        if (++spins < IDLE_SPINS) sched_yield();
+        else wait_events(c, WAIT_POLL_MS);
+    }
+}
+
+static void free_req(void *req) { /* mutex held; frees now, or on completion if still in flight */
+    if (req && UCS_PTR_IS_PTR(req)) ucp_request_free(req);
+}
+
+static void destroy_rkeys(EndpointObject *e) { /* mutex held */
+    for (uint32_t i = 0; i < e->nrkeys; i++) ucp_rkey_destroy(e->rkeys[i]);
+    free(e->rkeys);
+    e->rkeys = NULL;
+    e->nrkeys = e->cap = 0;
+}
+
+/* Close the ucp endpoint (mutex NOT held, GIL released).  `pending` is a request of ours still in
+ * flight (a flush), or NULL.  Rkeys go only once nothing posted can still use them; if UCX does not
+ * retire everything within the bound, they are leaked rather than freed under a live request. */
+static void ep_shutdown(EndpointObject *e, int force, void *pending, double bound) {
+    ContextObject *c = e->ctx;
+    ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0};
+    void *req = NULL;
+    pthread_mutex_lock(&c->lock);
+    if (e->ep) {
+        ucs_status_ptr_t r = ucp_ep_close_nbx(e->ep, &p);
+        req = UCS_PTR_IS_PTR(r) ? r : NULL;
+        e->ep = NULL;
+    }
+    pthread_mutex_unlock(&c->lock);
+    int done = wait_reqs(c, req, pending, now_s() + bound);
+    pthread_mutex_lock(&c->lock);
+    free_req(req);
+    free_req(pending);
+    if (done) destroy_rkeys(e);
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* Endpoint.close / context close / dealloc.  GIL held on entry. */
+static int endpoint_release(ChildObject *ch, int force) {
+    EndpointObject *e = (EndpointObject *)ch;
+    ContextObject *c = e->ctx;
+    if (c == NULL) return 0;
+    int busy = 0, open = 0;
+    pthread_mutex_lock(&c->lock);
+    if (e->inflight) busy = 1;
+    else if (e->ep && !e->closing) open = 1, e->closing = 1, busy_enter(c); /* leaked rkeys stay leaked */
+    pthread_mutex_unlock(&c->lock);
+    if (busy) return PyErr_SetString(PyExc_RuntimeError, "Endpoint.close: a transfer is in flight"), -1;
+    if (!open) return 0;
+    Py_BEGIN_ALLOW_THREADS
+    /* no transfer in flight: every posted operation has been flushed, so rkeys can go first */
+    pthread_mutex_lock(&c->lock);
+    if (e->ep) destroy_rkeys(e);
+    pthread_mutex_unlock(&c->lock);
+    ep_shutdown(e, force, NULL, CLOSE_WAIT_S);
+    pthread_mutex_lock(&c->lock);
+    e->closing = 0;
+    busy_leave(c);
+    pthread_mutex_unlock(&c->lock);
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
+static void endpoint_dealloc(EndpointObject *e) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    endpoint_release((ChildObject *)e, 0);
+    PyErr_Restore(et, ev, tb);
+    child_unlink((ChildObject *)e);
+    PyObject_Free(e);
+}
+
+static PyObject *endpoint_close(EndpointObject *e, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"force", NULL};
+    int force = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|p", kwlist, &force)) return NULL;
+    if (endpoint_release((ChildObject *)e, force) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Why this endpoint cannot be used, as a raised exception; 0 when it can.  GIL held. */
+static int ep_check_usable(EndpointObject *e) {
+    if (e->ctx == NULL || ctx_check_open(e->ctx) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Context is closed");
+        return -1;
+    }
+    if (e->failed[0]) return PyErr_SetString(PyExc_ConnectionError, e->failed), -1;
+    if (e->ep == NULL || e->closing) return PyErr_SetString(PyExc_ValueError, "Endpoint is closed"), -1;
+    return 0;
+}
+
+static PyObject *endpoint_add_rkey(EndpointObject *e, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    if (ep_check_usable(e) < 0) return PyBuffer_Release(&b), NULL;
+    ContextObject *c = e->ctx;
+    ucs_status_t st = UCS_OK;
+    long idx = -1;
+    int nomem = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&c->lock); /* the table is read by transfers under the same mutex */
+    if (e->ep == NULL) st = UCS_ERR_CANCELED;
+    else if (e->nrkeys == e->cap) {
+        uint32_t cap = e->cap ? e->cap * 2 : 8;
+        ucp_rkey_h *t = realloc(e->rkeys, cap * sizeof(*t));
+        if (t) e->rkeys = t, e->cap = cap;
+        else nomem = 1;
+    }
+    if (st == UCS_OK && !nomem) {
+        ucp_rkey_h rk;
+        st = ucp_ep_rkey_unpack(e->ep, b.buf, &rk);
+        if (st == UCS_OK) e->rkeys[e->nrkeys] = rk, idx = (long)e->nrkeys++;
+    }
+    pthread_mutex_unlock(&c->lock);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&b);
+    if (nomem) return PyErr_NoMemory();
+    if (st == UCS_ERR_CANCELED) return PyErr_SetString(PyExc_ValueError, "Endpoint is closed"), NULL;
+    if (st != UCS_OK) return ucs_error(PyExc_RuntimeError, "ucp_ep_rkey_unpack", st);
+    return PyLong_FromLong(idx);
+}
+
+/* One transfer's state, filled in with the GIL released. */
+typedef struct {
+    const descs *d;
+    int is_get;
+    double timeout;
+    RegionObject *region; /* or NULL */
+    uint64_t bytes;
+    ucs_status_t status;  /* first error, UCS_OK if none */
+    const char *what;     /* which call failed */
+    enum { XF_OK, XF_BADARG, XF_CLOSED, XF_FAILED, XF_TIMEOUT } outcome;
+    char msg[160];
+} xfer;
+
+/* Checks every descriptor before anything is posted, so bad input never leaves a half-done transfer. */
+static int xfer_validate(xfer *x, uint32_t nrkeys) {
+    const descs *d = x->d;
+    uint64_t lo = x->region ? x->region->address : 0, hi = x->region ? lo + x->region->length : 0;
+    for (Py_ssize_t i = 0; i < d->n; i++) {
+        uint32_t k = vec_u32(&d->index, i);
+        uint64_t l = vec_u64(&d->local, i), n = vec_u64(&d->lengths, i);
+        if (k >= nrkeys) {
+            snprintf(x->msg, sizeof(x->msg), "rkey_index[%zd] = %u, but the endpoint has %u rkeys", i, k, nrkeys);
+            return -1;
+        }
+        if (x->region && n && (l < lo || l > hi || n > hi - l)) {
+            snprintf(x->msg, sizeof(x->msg), "local[%zd]: %" PRIu64 " bytes at 0x%" PRIx64 " outside local_region",
+                     i, n, l);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static ucs_status_t post_one(EndpointObject *e, xfer *x, uint64_t r, uint64_t l, uint64_t n, uint32_t k,
+                             const ucp_request_param_t *p) {
+    void *buf = (void *)(uintptr_t)l;
+    ucs_status_ptr_t req = x->is_get ? ucp_get_nbx(e->ep, buf, n, r, e->rkeys[k], p)
+                                     : ucp_put_nbx(e->ep, buf, n, r, e->rkeys[k], p);
+    if (UCS_PTR_IS_ERR(req)) return UCS_PTR_STATUS(req);
+    free_req(req); /* completes in the background; the flush below covers it */
+    return UCS_OK;
+}
+
+/* Post every merged run, then one flush; mutex held.  Returns the flush request (or NULL). */
+static void *xfer_post(EndpointObject *e, xfer *x) {
+    const descs *d = x->d;
+    ucp_request_param_t p = {0};
+    if (x->region) p.op_attr_mask = UCP_OP_ATTR_FIELD_MEMH, p.memh = x->region->memh;
+    uint64_t r0 = 0, l0 = 0, n0 = 0;
+    uint32_t k0 = 0;
+    ucs_status_t st = UCS_OK;
+    for (Py_ssize_t i = 0; i < d->n && st == UCS_OK; i++) {
+        uint64_t r = vec_u64(&d->remote, i), l = vec_u64(&d->local, i), n = vec_u64(&d->lengths, i);
+        uint32_t k = vec_u32(&d->index, i);
+        if (n == 0) continue;
+        x->bytes += n;
+        if (n0 && k == k0 && r == r0 + n0 && l == l0 + n0) { /* continues the run on both sides */
+            n0 += n;
+            continue;
+        }
+        if (n0) st = post_one(e, x, r0, l0, n0, k0, &p);
+        r0 = r, l0 = l, n0 = n, k0 = k;
+    }
+    if (st == UCS_OK && n0) st = post_one(e, x, r0, l0, n0, k0, &p);
+    if (st != UCS_OK) x->status = st, x->what = x->is_get ? "ucp_get_nbx" : "ucp_put_nbx";
+    /* flush even after a posting error: what was posted must be retired before we return */
+    ucp_request_param_t fp = {0};
+    ucs_status_ptr_t f = ucp_ep_flush_nbx(e->ep, &fp);
+    if (UCS_PTR_IS_ERR(f)) {
+        if (x->status == UCS_OK) x->status = UCS_PTR_STATUS(f), x->what = "ucp_ep_flush_nbx";
+        return NULL;
+    }
+    return f;
+}
+
+/* Wait for the flush: until it completes, the peer fails, the context closes, or the deadline. */
+static void *xfer_wait(EndpointObject *e, xfer *x, void *flush, double deadline) {
+    ContextObject *c = e->ctx;
+    for (int spins = 0;;) {
+        pthread_mutex_lock(&c->lock);
+        unsigned n = ucp_worker_progress(c->worker);
+        ucs_status_t st = flush ? ucp_request_check_status(flush) : UCS_OK;
+        ucs_status_t peer = e->peer;
+        int closing = c->state != CTX_OPEN;
+        if (st != UCS_INPROGRESS) free_req(flush), flush = NULL;
+        pthread_mutex_unlock(&c->lock);
+        if (st != UCS_INPROGRESS) {
+            if (st != UCS_OK && x->status == UCS_OK) x->status = st, x->what = "transfer";
+            if (peer != UCS_OK) x->status = peer, x->what = "peer failed";
+            x->outcome = x->status == UCS_OK ? XF_OK : XF_FAILED;
+            return NULL;
+        }
+        if (peer != UCS_OK) {
+            x->status = peer, x->what = "peer failed", x->outcome = XF_FAILED;
+            return flush;
+        }
+        if (closing) {
+            x->what = "Context closed during the transfer", x->outcome = XF_FAILED;
+            return flush;
+        }
+        if (now_s() >= deadline) {
+            x->outcome = XF_TIMEOUT;
+            return flush;
+        }
+        if (n) continue;
+        if (++spins < IDLE_SPINS) sched_yield();
+        else wait_events(c, WAIT_POLL_MS);
+    }
+}
+
+/* The whole transfer, GIL released. */
+static void xfer_run(EndpointObject *e, xfer *x) {
+    ContextObject *c = e->ctx;
+    double deadline = now_s() + x->timeout;
+    pthread_mutex_lock(&c->lock);
+    if (c->state != CTX_OPEN || e->ep == NULL || e->closing || e->failed[0]) {
+        pthread_mutex_unlock(&c->lock);
+        x->outcome = XF_CLOSED;
+        return;
+    }
+    e->inflight++;
+    busy_enter(c);
+    if (x->region) x->region->inuse++;
+    uint32_t nrkeys = e->nrkeys; /* only grows while we hold no lock */
+    pthread_mutex_unlock(&c->lock);
+
+    void *flush = NULL;
+    if (x->region && x->region->memh == NULL) {
+        snprintf(x->msg, sizeof(x->msg), "local_region is closed");
+        x->outcome = XF_BADARG;
+    } else if (xfer_validate(x, nrkeys) < 0) {
+        x->outcome = XF_BADARG;
+    } else {
+        pthread_mutex_lock(&c->lock);
+        if (e->peer != UCS_OK) x->status = e->peer, x->what = "peer failed";
+        else if (e->ep) flush = xfer_post(e, x);
+        pthread_mutex_unlock(&c->lock);
+        flush = xfer_wait(e, x, flush, deadline);
+    }
+    if (x->outcome == XF_FAILED || x->outcome == XF_TIMEOUT) {
+        if (x->outcome == XF_TIMEOUT)
+            snprintf(e->failed, sizeof(e->failed), "transfer timed out after %.3f s", x->timeout);
+        else if (x->status != UCS_OK)
+            snprintf(e->failed, sizeof(e->failed), "%s: %s", x->what, ucs_status_string(x->status));
+        else
+            snprintf(e->failed, sizeof(e->failed), "%s", x->what);
+        /* force: the peer is gone or stuck; afterwards nothing may write our memory */
+        ep_shutdown(e, 1, flush, ABORT_WAIT_S);
+    }
+    pthread_mutex_lock(&c->lock);
+    e->inflight--;
+    if (x->region) x->region->inuse--;
+    busy_leave(c);
+    pthread_mutex_unlock(&c->lock);
+}
+
+static PyObject *endpoint_xfer(EndpointObject *e, PyObject *args, PyObject *kw, int is_get) {
+    static char *kwlist[] = {"remote", "local", "lengths", "rkey_index", "timeout_s", "local_region", NULL};
+    PyObject *ro, *lo, *no, *io, *region = Py_None;
+    double timeout;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOd|O", kwlist, &ro, &lo, &no, &io, &timeout, &region))
+        return NULL;
+    if (!(timeout > 0) || timeout > 1e7)
+        return PyErr_SetString(PyExc_ValueError, "timeout_s must be a positive number of seconds"), NULL;
+    if (region != Py_None && !Py_IS_TYPE(region, &RegionType))
+        return PyErr_SetString(PyExc_TypeError, "local_region: expected a Region or None"), NULL;
+    if (region != Py_None && ((RegionObject *)region)->ctx != e->ctx)
+        return PyErr_SetString(PyExc_ValueError, "local_region belongs to another Context"), NULL;
+    if (ep_check_usable(e) < 0) return NULL;
+    descs d;
+    if (descs_parse(&d, ro, lo, no, io) < 0) return NULL;
+    xfer x = {.d = &d, .is_get = is_get, .timeout = timeout, .status = UCS_OK, .outcome = XF_OK,
+              .region = region == Py_None ? NULL : (RegionObject *)region};
+    Py_BEGIN_ALLOW_THREADS
+    xfer_run(e, &x);
+    Py_END_ALLOW_THREADS
+    descs_release(&d);
+    switch (x.outcome) {
+    case XF_OK: return PyLong_FromUnsignedLongLong(x.bytes);
+    case XF_BADARG: return PyErr_SetString(PyExc_ValueError, x.msg), NULL;
+    case XF_CLOSED:
+        if (ep_check_usable(e) == 0) PyErr_SetString(PyExc_ValueError, "Endpoint is closed");
+        return NULL;
+    case XF_TIMEOUT: return PyErr_SetString(PyExc_TimeoutError, e->failed), NULL;
+    default: return PyErr_SetString(PyExc_ConnectionError, e->failed), NULL;
+    }
+}
+
+static PyObject *endpoint_get(EndpointObject *e, PyObject *a, PyObject *k) { return endpoint_xfer(e, a, k, 1); }
+static PyObject *endpoint_put(EndpointObject *e, PyObject *a, PyObject *k) { return endpoint_xfer(e, a, k, 0); }
+
+static PyObject *endpoint_failed(EndpointObject *e, void *closure) {
+    if (e->failed[0]) return PyUnicode_FromString(e->failed);
+    if (e->peer != UCS_OK) return PyUnicode_FromFormat("peer failed: %s", ucs_status_string(e->peer));
+    Py_RETURN_NONE;
+}
+
+static PyObject *endpoint_closed(EndpointObject *e, void *closure) { return PyBool_FromLong(e->ep == NULL); }
+
+static PyObject *endpoint_info(EndpointObject *e, PyObject *unused) {
+    if (ep_check_usable(e) < 0) return NULL;
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (!f) return PyErr_SetFromErrno(PyExc_OSError);
+    ContextObject *c = e->ctx;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&c->lock);
+    if (e->ep) ucp_ep_print_info(e->ep, f);
+    pthread_mutex_unlock(&c->lock);
+    fclose(f);
+    Py_END_ALLOW_THREADS
+    PyObject *s = PyUnicode_DecodeUTF8(buf ? buf : "", (Py_ssize_t)len, "replace");
+    free(buf);
+    return s;
+}
+
+/* ------------------------------------------------------------------------------------------- module */
+
+static PyMethodDef context_methods[] = {
+    {"map", (PyCFunction)(void (*)(void))context_map, METH_VARARGS | METH_KEYWORDS,
+     "map(address, length, memory_type='host') -> Region: ucp_mem_map of existing memory"},
+    {"connect", (PyCFunction)(void (*)(void))context_connect, METH_VARARGS | METH_KEYWORDS,
+     "connect(worker_address, error_handling=True) -> Endpoint"},
+    {"progress", (PyCFunction)context_progress, METH_NOARGS, "one ucp_worker_progress, GIL released"},
+    {"close", (PyCFunction)context_close, METH_NOARGS, "close endpoints, regions, worker, context (idempotent)"},
+    {NULL}};
+
+static PyGetSetDef context_getset[] = {
+    {"address", (getter)context_address, NULL, "this worker's address (bytes), for the peer's connect()", NULL},
+    {"closed", (getter)context_closed, NULL, "True once close() has begun", NULL},
+    {NULL}};
+
+static PyMethodDef region_methods[] = {
+    {"close", (PyCFunction)region_close, METH_NOARGS, "ucp_mem_unmap (idempotent)"}, {NULL}};
+
+static PyGetSetDef region_getset[] = {
+    {"rkey", (getter)region_rkey, NULL, "packed remote key (bytes)", NULL},
+    {"address", (getter)region_address, NULL, "start address", NULL},
+    {"length", (getter)region_length, NULL, "length in bytes", NULL},
+    {"memory_type", (getter)region_memory_type, NULL, "host | cuda | cuda-managed", NULL},
+    {"closed", (getter)region_closed, NULL, "True once unmapped", NULL},
+    {NULL}};
+
+static PyMethodDef endpoint_methods[] = {
+    {"add_rkey", (PyCFunction)endpoint_add_rkey, METH_O, "add_rkey(packed) -> index in this endpoint's table"},
+    {"get", (PyCFunction)(void (*)(void))endpoint_get, METH_VARARGS | METH_KEYWORDS,
+     "get(remote, local, lengths, rkey_index, timeout_s, local_region=None) -> bytes read"},
+    {"put", (PyCFunction)(void (*)(void))endpoint_put, METH_VARARGS | METH_KEYWORDS,
+     "put(remote, local, lengths, rkey_index, timeout_s, local_region=None) -> bytes written"},
+    {"info", (PyCFunction)endpoint_info, METH_NOARGS, "ucp_ep_print_info: the lanes and transports UCX chose"},
+    {"close", (PyCFunction)(void (*)(void))endpoint_close, METH_VARARGS | METH_KEYWORDS,
+     "close(force=False): bounded wait"},
+    {NULL}};
+
+static PyGetSetDef endpoint_getset[] = {
+    {"failed", (getter)endpoint_failed, NULL, "why the endpoint is unusable, or None", NULL},
+    {"closed", (getter)endpoint_closed, NULL, "True once closed or failed", NULL},
+    {NULL}};
+
+static PyTypeObject ContextType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvbridge._ucp.Context",
+    .tp_doc = "Context(tls=None, progress_thread=False): a ucp context with one serialized worker",
+    .tp_basicsize = sizeof(ContextObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = context_new,
+    .tp_dealloc = (destructor)context_dealloc,
+    .tp_methods = context_methods,
+    .tp_getset = context_getset,
+};
+
+static PyTypeObject RegionType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvbridge._ucp.Region",
+    .tp_doc = "memory mapped with Context.map()",
+    .tp_basicsize = sizeof(RegionObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)region_dealloc,
+    .tp_methods = region_methods,
+    .tp_getset = region_getset,
+};
+
+static PyTypeObject EndpointType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvbridge._ucp.Endpoint",
+    .tp_doc = "an endpoint made with Context.connect()",
+    .tp_basicsize = sizeof(EndpointObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)endpoint_dealloc,
+    .tp_methods = endpoint_methods,
+    .tp_getset = endpoint_getset,
+};
+
+static PyObject *py_version(PyObject *m, PyObject *unused) {
+    unsigned major, minor, release;
+    ucp_get_version(&major, &minor, &release);
+    return Py_BuildValue("(III)", major, minor, release);
+}
+
+static PyMethodDef module_methods[] = {
+    {"cma_read", (PyCFunction)(void (*)(void))py_cma_read, METH_VARARGS | METH_KEYWORDS,
+     "cma_read(pid, remote, local, lengths) -> bytes copied with process_vm_readv (GIL released)"},
+    {"version", py_version, METH_NOARGS, "the loaded libucp's version, (major, minor, release)"},
+    {NULL}};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "kvbridge._ucp", "kvbridge's one-sided data plane over ucp (see kvbridge/_ucp.c)", -1,
+    module_methods};
+
+PyMODINIT_FUNC PyInit__ucp(void) {
+    PyTypeObject *types[] = {&ContextType, &RegionType, &EndpointType};
+    const char *names[] = {"Context", "Region", "Endpoint"};
+    for (int i = 0; i < 3; i++)
+        if (PyType_Ready(types[i]) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (!m) return NULL;
+    for (int i = 0; i < 3; i++)
+        if (PyModule_AddObjectRef(m, names[i], (PyObject *)types[i]) < 0) goto fail;
+    PyObject *api = Py_BuildValue("(ii)", UCP_API_MAJOR, UCP_API_MINOR);
+    if (PyModule_AddObject(m, "API_VERSION", api) < 0) {
+        Py_XDECREF(api);
+        goto fail;
+    }
+    if (PyModule_AddIntConstant(m, "IOV_MAX", IOV_MAX) < 0) goto fail;
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

@@ -1,0 +1,58 @@
+"""A producer for tests/test_native.py: maps a buffer with a known pattern and serves one-sided reads.
+
+Prints one JSON line (pid, buffer address and length, packed rkey and worker address in hex), then answers
+commands on stdin until EOF: ``sha OFFSET LENGTH`` prints the sha256 of that slice of its buffer.
+Word i of the buffer is ``i * PATTERN_K`` (mod 2**64), so the test can compute any slice itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+PATTERN_K = 0x9E3779B97F4A7C15
+
+
+def pattern(first_word: int, words: int) -> np.ndarray:
+    a = np.arange(first_word, first_word + words, dtype=np.uint64)
+    a *= np.uint64(PATTERN_K)  # wraps mod 2**64, like the C side would
+    return a
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bytes", type=int, required=True)
+    ap.add_argument("--tls", default="")
+    args = ap.parse_args()
+    from kvbridge import native
+
+    ucp, reason = native.load()
+    if ucp is None:
+        print(json.dumps({"error": reason}), flush=True)
+        sys.exit(1)
+    buf = pattern(0, args.bytes // 8)
+    ctx = ucp.Context(tls=args.tls or None, progress_thread=True)
+    region = ctx.map(buf.ctypes.data, buf.nbytes)
+    info = {
+        "pid": os.getpid(),
+        "address": buf.ctypes.data,
+        "length": buf.nbytes,
+        "rkey": region.rkey.hex(),
+        "worker": ctx.address.hex(),
+    }
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd and cmd[0] == "sha":
+            off, n = int(cmd[1]), int(cmd[2])
+            print(hashlib.sha256(buf.view(np.uint8)[off : off + n].tobytes()).hexdigest(), flush=True)
+    ctx.close()
+
+
+if __name__ == "__main__":
+    main()
