@@ -46,8 +46,18 @@ def native_extensions() -> list[Extension]:
             # No rpath into the build prefix: under build isolation it is deleted after the build.
             runtime_library_dirs=["$ORIGIN/../libucx/lib"],
             # -isystem: UCX's own headers are not ours to warn about
-            extra_compile_args=["-isystem", os.path.join(prefix, "include"), "-std=c11", "-O2", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                                "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
+            extra_compile_args=[
+                "-isystem",
+                os.path.join(prefix, "include"),
+                "-std=c11",
+                "-O2",
+                "-D_GNU_SOURCE",
+                "-Wall",
+                "-Wextra",
+                "-Wno-unused-parameter",
+                "-Wno-missing-field-initializers",
+                "-Wno-cast-function-type",
+            ],
             # a failed compile (no compiler, odd UCX) must not fail the install: the backend falls back
             optional=True,
         )

@@ -44,10 +44,18 @@
 #define IOV_MAX 1024
 #endif
 
+#ifndef THREAD_POLL_MS
 #define THREAD_POLL_MS 50     /* progress thread sleep on the event fd: bounds how long close() waits */
+#endif
+#ifndef WAIT_POLL_MS
 #define WAIT_POLL_MS 2        /* a transfer's sleep on the event fd: re-checks even if a wakeup is missed */
+#endif
+#ifndef IDLE_SPINS
 #define IDLE_SPINS 64         /* empty progress rounds (sched_yield between) before sleeping on the fd */
+#endif
+#ifndef THREAD_BATCH
 #define THREAD_BATCH 64       /* progress rounds the thread makes per mutex hold, so callers get a turn */
+#endif
 #define ABORT_WAIT_S 2.0      /* how long a failed transfer waits for UCX to retire its requests */
 #define CLOSE_WAIT_S 2.0      /* how long a graceful endpoint close may take */
 #define IDLE_WAIT_S 30.0      /* how long Context.close waits for transfers in other threads to end */

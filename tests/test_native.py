@@ -1,0 +1,381 @@
+"""kvbridge._ucp against real processes on loopback: byte-exact reads and writes, a peer that dies or stops
+mid-transfer, bad input, use after close.  The peer is tests/native_peer.py; word i of its buffer is
+i * PATTERN_K, so every byte read can be checked here without a second copy."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvbridge import native
+
+_mod, REASON = native.load()
+if _mod is None:
+    pytest.skip(f"kvbridge._ucp: {REASON}", allow_module_level=True)
+ucp: Any = _mod
+
+PEER = Path(__file__).with_name("native_peer.py")
+K = np.uint64(0x9E3779B97F4A7C15)
+MiB = 1 << 20
+SLACK_S = 4.0  # a failed transfer may spend ABORT_WAIT_S (2 s) retiring its requests, plus scheduling
+
+
+def expected(first_word: np.ndarray, words: int) -> np.ndarray:
+    """The peer's words [first_word[i], first_word[i] + words) for each i, as rows."""
+    return (first_word.astype(np.uint64)[:, None] + np.arange(words, dtype=np.uint64)[None, :]) * K
+
+
+class Peer:
+    def __init__(self, nbytes: int, tls: str = "") -> None:
+        env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), "--bytes", str(nbytes), "--tls", tls],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.info = self._line(30.0)
+        if "error" in self.info:
+            self.kill()
+            pytest.skip(f"peer: {self.info['error']}")
+        self.pid: int = self.info["pid"]
+        self.base: int = self.info["address"]
+        self.rkey = bytes.fromhex(self.info["rkey"])
+        self.worker = bytes.fromhex(self.info["worker"])
+
+    def _line(self, timeout: float) -> dict[str, Any]:
+        got: list[str] = []
+        t = threading.Thread(target=lambda: got.append(self.proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        t.start()
+        t.join(timeout)
+        if not got or not got[0]:
+            self.kill()
+            raise RuntimeError("native_peer did not answer")
+        return dict(json.loads(got[0])) if got[0].startswith("{") else {"line": got[0].strip()}
+
+    def sha(self, offset: int, length: int) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"sha {offset} {length}\n")
+        self.proc.stdin.flush()
+        return str(self._line(10.0)["line"])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
+
+PEER_BYTES = 130 * MiB  # 128 MiB to read, then 2 MiB that put() may overwrite
+PUT_AREA = 128 * MiB
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    p = Peer(PEER_BYTES)  # all transports: tcp for the tests, cma for the throughput figure
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def tcp() -> Iterator[Any]:
+    ctx = ucp.Context(tls="tcp")
+    yield ctx
+    ctx.close()
+
+
+def scattered(n: int, block: int, blocks: int, seed: int) -> np.ndarray:
+    """n block ids in random order, every eighth followed by its next two blocks (runs to merge)."""
+    ids = np.random.default_rng(seed).permutation(blocks)[:n].astype(np.uint64)
+    for i in range(0, n - 2, 8):
+        ids[i + 1] = min(ids[i] + 1, blocks - 1)
+        ids[i + 2] = min(ids[i] + 2, blocks - 1)
+    return ids
+
+
+def descriptors(base: int, local: np.ndarray, ids: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    remote = np.uint64(base) + ids * np.uint64(block)
+    laddr = np.uint64(local.ctypes.data) + np.arange(len(ids), dtype=np.uint64) * np.uint64(block)
+    return remote, laddr
+
+
+def test_version() -> None:
+    v = ucp.version()
+    assert len(v) == 3 and tuple(v[:2]) >= tuple(ucp.API_VERSION)
+    assert native.describe().startswith("native kvbridge._ucp (UCX ")
+
+
+def test_cma_read_scattered_bit_exact(peer: Peer) -> None:
+    block, n = 4096, 512
+    ids = scattered(n, block, PUT_AREA // block, seed=1)
+    local = np.zeros(n * block // 8, np.uint64)
+    remote, laddr = descriptors(peer.base, local, ids, block)
+    lengths = np.full(n, block, np.uint64)
+    assert ucp.cma_read(peer.pid, remote, laddr, lengths) == n * block
+    assert np.array_equal(local.reshape(n, -1), expected(ids * (block // 8), block // 8))
+    local[:] = 0  # the same with one length for all
+    assert ucp.cma_read(peer.pid, remote, laddr, block) == n * block
+    assert np.array_equal(local.reshape(n, -1), expected(ids * (block // 8), block // 8))
+
+
+def test_cma_read_more_than_iov_max_and_errors(peer: Peer) -> None:
+    n, block = 3 * ucp.IOV_MAX + 5, 64  # several process_vm_readv batches, nothing adjacent
+    ids = np.arange(n, dtype=np.uint64) * np.uint64(3)
+    local = np.zeros(n * block // 8, np.uint64)
+    remote, laddr = descriptors(peer.base, local, ids, block)
+    assert ucp.cma_read(peer.pid, remote, laddr, block) == n * block
+    assert np.array_equal(local.reshape(n, -1), expected(ids * (block // 8), block // 8))
+    with pytest.raises(OSError) as e:  # an unmapped range in the peer
+        ucp.cma_read(peer.pid, np.array([8], np.uint64), laddr[:1], 64)
+    assert e.value.errno == 14  # EFAULT
+    with pytest.raises(ProcessLookupError):
+        ucp.cma_read(2**22 + 12345, remote[:1], laddr[:1], 64)
+
+
+def test_get_tcp_scattered_bit_exact(peer: Peer, tcp: Any) -> None:
+    block, n = 4096, 512
+    ids = scattered(n, block, PUT_AREA // block, seed=2)
+    local = np.zeros(n * block // 8, np.uint64)
+    region = tcp.map(local.ctypes.data, local.nbytes)
+    ep = tcp.connect(peer.worker, error_handling=True)
+    k = ep.add_rkey(peer.rkey)
+    remote, laddr = descriptors(peer.base, local, ids, block)
+    assert ep.get(remote, laddr, np.full(n, block, np.uint64), np.zeros(n, np.uint32), 10.0, region) == n * block
+    assert np.array_equal(local.reshape(n, -1), expected(ids * (block // 8), block // 8))
+    local[:] = 0  # scalars for lengths and rkey index, no local region
+    assert ep.get(remote, laddr, block, k, 10.0) == n * block
+    assert np.array_equal(local.reshape(n, -1), expected(ids * (block // 8), block // 8))
+    assert "tcp" in ep.info() and ep.failed is None
+    ep.close()
+    region.close()
+
+
+def test_put_tcp_lands_in_peer(peer: Peer, tcp: Any) -> None:
+    block, n = 4096, 256  # reversed order into the put area, so nothing merges on the remote side
+    src = np.random.default_rng(3).integers(0, 2**63, n * block // 8, dtype=np.uint64)
+    ep = tcp.connect(peer.worker)
+    k = ep.add_rkey(peer.rkey)
+    ids = np.arange(n - 1, -1, -1, dtype=np.uint64)
+    remote, laddr = descriptors(peer.base + PUT_AREA, src, ids, block)
+    assert ep.put(remote, laddr, block, k, 10.0) == n * block
+    want = np.empty_like(src).reshape(n, -1)
+    want[ids.astype(np.int64)] = src.reshape(n, -1)
+    assert peer.sha(PUT_AREA, n * block) == hashlib.sha256(want.tobytes()).hexdigest()
+    back = np.zeros_like(src)  # and read back through the other lane
+    assert (
+        ucp.cma_read(
+            peer.pid, np.array([peer.base + PUT_AREA], np.uint64), np.array([back.ctypes.data], np.uint64), back.nbytes
+        )
+        == back.nbytes
+    )
+    assert np.array_equal(back, want.reshape(-1))
+    ep.close()
+
+
+def test_bad_input(peer: Peer, tcp: Any) -> None:
+    a = np.zeros(8, np.uint64)
+    addr = np.uint64(a.ctypes.data) + np.arange(8, dtype=np.uint64) * np.uint64(8)
+    remote = np.uint64(peer.base) + np.arange(8, dtype=np.uint64) * np.uint64(8)
+    with pytest.raises(ValueError, match="local"):
+        ucp.cma_read(peer.pid, remote, addr[:7], 8)
+    with pytest.raises(ValueError, match="lengths"):
+        ucp.cma_read(peer.pid, remote, addr, np.full(3, 8, np.uint64))
+    with pytest.raises(ValueError, match="remote"):
+        ucp.cma_read(peer.pid, remote.astype(np.int64), addr, 8)
+    with pytest.raises(ValueError, match="local"):
+        ucp.cma_read(peer.pid, remote, np.repeat(addr, 2)[::2], 8)
+    with pytest.raises(TypeError):
+        ucp.cma_read(peer.pid, [1, 2], addr, 8)
+    ep = tcp.connect(peer.worker)
+    k = ep.add_rkey(peer.rkey)
+    with pytest.raises(ValueError, match="rkey_index"):
+        ep.get(remote, addr, 8, np.zeros(8, np.uint64), 5.0)  # uint64, not uint32
+    with pytest.raises(ValueError, match="rkey_index"):
+        ep.get(remote, addr, 8, k + 1, 5.0)
+    with pytest.raises(ValueError, match="rkey_index"):
+        ep.get(remote, addr, 8, np.zeros(7, np.uint32), 5.0)
+    with pytest.raises(ValueError, match="timeout"):
+        ep.get(remote, addr, 8, k, 0.0)
+    other = np.zeros(8, np.uint64)
+    region = tcp.map(other.ctypes.data, other.nbytes)
+    with pytest.raises(ValueError, match="outside local_region"):
+        ep.get(remote, addr, 8, k, 5.0, region)
+    with pytest.raises(ValueError, match="memory_type"):
+        tcp.map(other.ctypes.data, other.nbytes, "tpu")
+    assert ep.failed is None  # bad input is refused before anything is posted
+    assert ep.get(remote, addr, 8, k, 5.0) == 64
+    ep.close()
+    ep.close()
+    with pytest.raises(ValueError, match="closed"):
+        ep.get(remote, addr, 8, k, 5.0)
+    region.close()
+    region.close()
+    with pytest.raises(ValueError, match="closed"):
+        region.rkey  # noqa: B018
+
+
+def test_use_after_context_close(peer: Peer) -> None:
+    ctx = ucp.Context(tls="tcp")
+    buf = np.zeros(1024, np.uint64)
+    region = ctx.map(buf.ctypes.data, buf.nbytes)
+    ep = ctx.connect(peer.worker)
+    k = ep.add_rkey(peer.rkey)
+    assert ep.get(np.array([peer.base], np.uint64), np.array([buf.ctypes.data], np.uint64), buf.nbytes, k, 5.0, region)
+    ctx.close()
+    ctx.close()
+    assert ctx.closed and ep.closed and region.closed
+    for call in (
+        lambda: ep.get(np.array([peer.base], np.uint64), np.array([buf.ctypes.data], np.uint64), 8, k, 5.0),
+        lambda: ep.add_rkey(peer.rkey),
+        lambda: ep.info(),
+        lambda: region.rkey,
+        lambda: ctx.map(buf.ctypes.data, buf.nbytes),
+        lambda: ctx.connect(peer.worker),
+        lambda: ctx.address,
+        lambda: ctx.progress(),
+    ):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    ep.close()  # and when these go, deallocation after close must not touch freed ucp objects
+    region.close()
+
+
+def read_until_killed(fn: Any, pid: int, delay: float, limit: float) -> tuple[BaseException, float]:
+    """Repeat fn() while the peer is SIGKILLed `delay` s in; the first exception and its time after the kill."""
+    killed: list[float] = []
+
+    def kill() -> None:
+        killed.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Timer(delay, kill).start()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the test asserts the type
+            while not killed:
+                time.sleep(0.01)
+            return e, time.monotonic() - killed[0]
+    raise AssertionError(f"no error within {limit} s of reading from a killed peer")
+
+
+BIG = 256 * MiB
+
+
+def test_peer_killed_during_cma_read() -> None:
+    p = Peer(BIG)
+    block = 64 * 1024
+    n = BIG // block
+    ids = np.random.default_rng(4).permutation(n).astype(np.uint64)
+    local = np.ones(BIG // 8, np.uint64)
+    remote, laddr = descriptors(p.base, local, ids, block)
+    try:
+        err, after = read_until_killed(lambda: ucp.cma_read(p.pid, remote, laddr, block), p.pid, 0.03, 10.0)
+        assert isinstance(err, OSError), err
+        assert after < SLACK_S
+    finally:
+        p.kill()
+
+
+def test_peer_killed_during_get_tcp(tcp: Any) -> None:
+    p = Peer(BIG, tls="tcp")
+    block = 64 * 1024
+    n = BIG // block
+    ids = np.random.default_rng(5).permutation(n).astype(np.uint64)
+    local = np.ones(BIG // 8, np.uint64)
+    region = tcp.map(local.ctypes.data, local.nbytes)
+    ep = tcp.connect(p.worker, error_handling=True)
+    k = ep.add_rkey(p.rkey)
+    remote, laddr = descriptors(p.base, local, ids, block)
+    timeout = 10.0
+    try:
+        err, after = read_until_killed(lambda: ep.get(remote, laddr, block, k, timeout, region), p.pid, 0.1, 30.0)
+        assert isinstance(err, (ConnectionError, TimeoutError)), err
+        assert after < timeout + SLACK_S
+        assert ep.failed
+        with pytest.raises(ConnectionError):
+            ep.get(remote, laddr, block, k, timeout, region)
+        ep.close()
+        region.close()  # nothing in flight still uses it
+    finally:
+        p.kill()
+
+
+def test_stopped_peer_times_out(tcp: Any) -> None:
+    p = Peer(32 * MiB, tls="tcp")
+    local = np.zeros(32 * MiB // 8, np.uint64)
+    ep = tcp.connect(p.worker)
+    k = ep.add_rkey(p.rkey)
+    remote = np.array([p.base], np.uint64)
+    laddr = np.array([local.ctypes.data], np.uint64)
+    try:
+        assert ep.get(remote, laddr, 4096, k, 10.0) == 4096  # wired up
+        os.kill(p.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            ep.get(remote, laddr, local.nbytes, k, 1.0)
+        assert time.monotonic() - t0 < 1.0 + SLACK_S
+        assert ep.failed and "timed out" in ep.failed
+        with pytest.raises(ConnectionError, match="timed out"):
+            ep.get(remote, laddr, 4096, k, 1.0)
+    finally:
+        p.kill()
+
+
+def test_throughput_figures(peer: Peer, tcp: Any) -> None:
+    """Printed, not asserted (run with -s): 128 MiB in 2048 scattered 64 KiB blocks, per lane."""
+    block = 64 * 1024
+    n = PUT_AREA // block // 2
+    ids = scattered(n, block, PUT_AREA // block, seed=6)
+    local = np.ones(n * block // 8, np.uint64)
+    remote, laddr = descriptors(peer.base, local, ids, block)
+
+    def best(fn: Any, reps: int = 3) -> float:
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return n * block / min(ts) / 1e9
+
+    figures = {"cma_read": best(lambda: ucp.cma_read(peer.pid, remote, laddr, block))}
+    ctx_any = ucp.Context()
+    for name, ctx, eh in (("get tcp", tcp, True), ("get default lanes, no error handling", ctx_any, False)):
+        region = ctx.map(local.ctypes.data, local.nbytes)
+        ep = ctx.connect(peer.worker, error_handling=eh)
+        k = ep.add_rkey(peer.rkey)
+        ep.get(remote, laddr, block, k, 30.0, region)
+        figures[name] = best(lambda ep=ep, k=k, region=region: ep.get(remote, laddr, block, k, 30.0, region))
+        lanes = [ln.split()[2] for ln in ep.info().splitlines() if "lane[" in ln]
+        figures[name + " lanes"] = lanes  # type: ignore[assignment]
+        assert np.array_equal(local.reshape(n, -1), expected(ids * (block // 8), block // 8))
+        ep.close()
+        region.close()
+    ctx_any.close()
+    print(
+        "\nkvbridge._ucp, 128 MiB as 2048 x 64 KiB scattered:",
+        ", ".join(f"{k} {v:.2f} GB/s" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()),
+    )
