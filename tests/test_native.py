@@ -97,6 +97,7 @@ def peer() -> Iterator[Peer]:
     p = Peer(PEER_BYTES)  # all transports: tcp for the tests, cma for the throughput figure
     yield p
     p.close()
+    assert p.proc.returncode == 0  # its progress thread stopped and its context closed cleanly
 
 
 @pytest.fixture(scope="module")
@@ -341,6 +342,61 @@ def test_stopped_peer_times_out(tcp: Any) -> None:
         assert ep.failed and "timed out" in ep.failed
         with pytest.raises(ConnectionError, match="timed out"):
             ep.get(remote, laddr, 4096, k, 1.0)
+    finally:
+        p.kill()
+
+
+def test_concurrent_gets_share_an_endpoint(peer: Peer, tcp: Any) -> None:
+    block, n, threads = 4096, 1024, 4
+    ep = tcp.connect(peer.worker)
+    k = ep.add_rkey(peer.rkey)
+    results: list[bool] = []
+
+    def reader(seed: int) -> None:
+        ids = scattered(n, block, PUT_AREA // block, seed=seed)
+        local = np.zeros(n * block // 8, np.uint64)
+        remote, laddr = descriptors(peer.base, local, ids, block)
+        for _ in range(3):
+            ep.get(remote, laddr, block, k, 20.0)
+            results.append(np.array_equal(local.reshape(n, -1), expected(ids * (block // 8), block // 8)))
+
+    ts = [threading.Thread(target=reader, args=(10 + i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert results == [True] * (3 * threads)
+    ep.close()
+
+
+def test_context_close_aborts_a_waiting_get() -> None:
+    p = Peer(32 * MiB, tls="tcp")
+    ctx = ucp.Context(tls="tcp")
+    local = np.zeros(32 * MiB // 8, np.uint64)
+    ep = ctx.connect(p.worker)
+    k = ep.add_rkey(p.rkey)
+    remote = np.array([p.base], np.uint64)
+    laddr = np.array([local.ctypes.data], np.uint64)
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            ep.get(remote, laddr, local.nbytes, k, 60.0)
+        except BaseException as e:  # noqa: BLE001 - the test asserts the type
+            errors.append(e)
+
+    try:
+        assert ep.get(remote, laddr, 4096, k, 10.0) == 4096
+        os.kill(p.pid, signal.SIGSTOP)
+        t = threading.Thread(target=reader)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        ctx.close()  # must end the other thread's wait, not wait out its 60 s deadline
+        t.join(10)
+        assert time.monotonic() - t0 < SLACK_S and not t.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], ConnectionError), errors
+        assert ep.closed and ctx.closed
     finally:
         p.kill()
 
