@@ -619,11 +619,13 @@ static int region_release(ChildObject *ch) { /* GIL held */
     ContextObject *c = r->ctx;
     int busy = 0;
     if (c == NULL) return 0;
+    Py_BEGIN_ALLOW_THREADS /* deregistering a large (or GPU) region can take a while */
     pthread_mutex_lock(&c->lock);
     if (r->inuse) busy = 1;
     else if (r->memh && c->ucp) ucp_mem_unmap(c->ucp, r->memh);
     if (!busy) r->memh = NULL;
     pthread_mutex_unlock(&c->lock);
+    Py_END_ALLOW_THREADS
     if (busy) {
         PyErr_SetString(PyExc_RuntimeError, "Region.close: a transfer is using this region");
         return -1;
@@ -632,7 +634,11 @@ static int region_release(ChildObject *ch) { /* GIL held */
 }
 
 static void region_dealloc(RegionObject *r) {
-    region_release((ChildObject *)r); /* cannot be in use: a transfer holds a reference */
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    /* no transfer holds it now; one whose requests UCX never retired keeps it mapped until ucp_cleanup */
+    if (region_release((ChildObject *)r) < 0) PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
     child_unlink((ChildObject *)r);
     Py_XDECREF(r->rkey);
     PyObject_Free(r);
@@ -752,7 +758,7 @@ static void destroy_rkeys(EndpointObject *e) { /* mutex held */
 /* Close the ucp endpoint (mutex NOT held, GIL released).  `pending` is a request of ours still in
  * flight (a flush), or NULL.  Rkeys go only once nothing posted can still use them; if UCX does not
  * retire everything within the bound, they are leaked rather than freed under a live request. */
-static void ep_shutdown(EndpointObject *e, int force, void *pending, double bound) {
+static int ep_shutdown(EndpointObject *e, int force, void *pending, double bound) {
     ContextObject *c = e->ctx;
     ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS, .flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0};
     void *req = NULL;
@@ -769,6 +775,7 @@ static void ep_shutdown(EndpointObject *e, int force, void *pending, double boun
     free_req(pending);
     if (done) destroy_rkeys(e);
     pthread_mutex_unlock(&c->lock);
+    return done;
 }
 
 /* Endpoint.close / context close / dealloc.  GIL held on entry. */
@@ -788,7 +795,7 @@ static int endpoint_release(ChildObject *ch, int force) {
     pthread_mutex_lock(&c->lock);
     if (e->ep) destroy_rkeys(e);
     pthread_mutex_unlock(&c->lock);
-    ep_shutdown(e, force, NULL, CLOSE_WAIT_S);
+    ep_shutdown(e, force || e->peer != UCS_OK, NULL, CLOSE_WAIT_S); /* a failed peer acks nothing */
     pthread_mutex_lock(&c->lock);
     e->closing = 0;
     busy_leave(c);
@@ -814,13 +821,22 @@ static PyObject *endpoint_close(EndpointObject *e, PyObject *args, PyObject *kw)
     Py_RETURN_NONE;
 }
 
+/* A copy of e->failed (written by transfers in other threads, under the mutex); "" while healthy. */
+static void ep_failed_copy(EndpointObject *e, char *out, size_t size) {
+    pthread_mutex_lock(&e->ctx->lock);
+    snprintf(out, size, "%s", e->failed);
+    pthread_mutex_unlock(&e->ctx->lock);
+}
+
 /* Why this endpoint cannot be used, as a raised exception; 0 when it can.  GIL held. */
 static int ep_check_usable(EndpointObject *e) {
     if (e->ctx == NULL || ctx_check_open(e->ctx) < 0) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "Context is closed");
         return -1;
     }
-    if (e->failed[0]) return PyErr_SetString(PyExc_ConnectionError, e->failed), -1;
+    char failed[sizeof(e->failed)];
+    ep_failed_copy(e, failed, sizeof(failed));
+    if (failed[0]) return PyErr_SetString(PyExc_ConnectionError, failed), -1;
     if (e->ep == NULL || e->closing) return PyErr_SetString(PyExc_ValueError, "Endpoint is closed"), -1;
     return 0;
 }
@@ -991,23 +1007,30 @@ static void xfer_run(EndpointObject *e, xfer *x) {
     } else {
         pthread_mutex_lock(&c->lock);
         if (e->peer != UCS_OK) x->status = e->peer, x->what = "peer failed";
-        else if (e->ep) flush = xfer_post(e, x);
+        else if (e->ep == NULL) x->status = UCS_ERR_CANCELED, x->what = "another transfer failed"; /* and closed it */
+        else flush = xfer_post(e, x);
         pthread_mutex_unlock(&c->lock);
         flush = xfer_wait(e, x, flush, deadline);
     }
+    int retired = 1;
     if (x->outcome == XF_FAILED || x->outcome == XF_TIMEOUT) {
         if (x->outcome == XF_TIMEOUT)
-            snprintf(e->failed, sizeof(e->failed), "transfer timed out after %.3f s", x->timeout);
+            snprintf(x->msg, sizeof(x->msg), "transfer timed out after %.3f s", x->timeout);
         else if (x->status != UCS_OK)
-            snprintf(e->failed, sizeof(e->failed), "%s: %s", x->what, ucs_status_string(x->status));
+            snprintf(x->msg, sizeof(x->msg), "%s: %s", x->what, ucs_status_string(x->status));
         else
-            snprintf(e->failed, sizeof(e->failed), "%s", x->what);
+            snprintf(x->msg, sizeof(x->msg), "%s", x->what);
+        pthread_mutex_lock(&c->lock);
+        if (!e->failed[0]) snprintf(e->failed, sizeof(e->failed), "%s", x->msg); /* the first reason stays */
+        pthread_mutex_unlock(&c->lock);
         /* force: the peer is gone or stuck; afterwards nothing may write our memory */
-        ep_shutdown(e, 1, flush, ABORT_WAIT_S);
+        retired = ep_shutdown(e, 1, flush, ABORT_WAIT_S);
     }
     pthread_mutex_lock(&c->lock);
     e->inflight--;
-    if (x->region) x->region->inuse--;
+    /* if UCX did not retire our requests in time, keep the region pinned: unmapping it under a live
+     * request is worse than leaving it mapped until the context goes */
+    if (x->region && retired) x->region->inuse--;
     busy_leave(c);
     pthread_mutex_unlock(&c->lock);
 }
@@ -1039,8 +1062,8 @@ static PyObject *endpoint_xfer(EndpointObject *e, PyObject *args, PyObject *kw, 
     case XF_CLOSED:
         if (ep_check_usable(e) == 0) PyErr_SetString(PyExc_ValueError, "Endpoint is closed");
         return NULL;
-    case XF_TIMEOUT: return PyErr_SetString(PyExc_TimeoutError, e->failed), NULL;
-    default: return PyErr_SetString(PyExc_ConnectionError, e->failed), NULL;
+    case XF_TIMEOUT: return PyErr_SetString(PyExc_TimeoutError, x.msg), NULL;
+    default: return PyErr_SetString(PyExc_ConnectionError, x.msg), NULL;
     }
 }
 
@@ -1048,7 +1071,10 @@ static PyObject *endpoint_get(EndpointObject *e, PyObject *a, PyObject *k) { ret
 static PyObject *endpoint_put(EndpointObject *e, PyObject *a, PyObject *k) { return endpoint_xfer(e, a, k, 0); }
 
 static PyObject *endpoint_failed(EndpointObject *e, void *closure) {
-    if (e->failed[0]) return PyUnicode_FromString(e->failed);
+    char failed[sizeof(e->failed)];
+    if (e->ctx == NULL) Py_RETURN_NONE;
+    ep_failed_copy(e, failed, sizeof(failed));
+    if (failed[0]) return PyUnicode_FromString(failed);
     if (e->peer != UCS_OK) return PyUnicode_FromFormat("peer failed: %s", ucs_status_string(e->peer));
     Py_RETURN_NONE;
 }
@@ -1079,7 +1105,8 @@ static PyMethodDef context_methods[] = {
     {"map", (PyCFunction)(void (*)(void))context_map, METH_VARARGS | METH_KEYWORDS,
      "map(address, length, memory_type='host') -> Region: ucp_mem_map of existing memory"},
     {"connect", (PyCFunction)(void (*)(void))context_connect, METH_VARARGS | METH_KEYWORDS,
-     "connect(worker_address, error_handling=True) -> Endpoint"},
+     "connect(worker_address, error_handling=True) -> Endpoint.  error_handling=False lets UCX pick lanes such as "
+     "cma that have no peer-failure handling: a peer dying mid-transfer can then abort this process (unsafe)"},
     {"progress", (PyCFunction)context_progress, METH_NOARGS, "one ucp_worker_progress, GIL released"},
     {"close", (PyCFunction)context_close, METH_NOARGS, "close endpoints, regions, worker, context (idempotent)"},
     {NULL}};
