@@ -335,10 +335,25 @@ def test_stopped_peer_times_out(tcp: Any) -> None:
     try:
         assert ep.get(remote, laddr, 4096, k, 10.0) == 4096  # wired up
         os.kill(p.pid, signal.SIGSTOP)
+        ticks = [0]
+        done = threading.Event()
+
+        def count() -> None:  # runs only if the wait below released the GIL
+            while not done.is_set():
+                ticks[0] += 1
+                time.sleep(0.001)
+
+        counter = threading.Thread(target=count)
+        counter.start()
         t0 = time.monotonic()
-        with pytest.raises(TimeoutError):
-            ep.get(remote, laddr, local.nbytes, k, 1.0)
+        try:
+            with pytest.raises(TimeoutError):
+                ep.get(remote, laddr, local.nbytes, k, 1.0)
+        finally:
+            done.set()
+            counter.join()
         assert time.monotonic() - t0 < 1.0 + SLACK_S
+        assert ticks[0] > 100, ticks
         assert ep.failed and "timed out" in ep.failed
         with pytest.raises(ConnectionError, match="timed out"):
             ep.get(remote, laddr, 4096, k, 1.0)
@@ -418,7 +433,7 @@ def test_throughput_figures(peer: Peer, tcp: Any) -> None:
         return n * block / min(ts) / 1e9
 
     figures = {"cma_read": best(lambda: ucp.cma_read(peer.pid, remote, laddr, block))}
-    ctx_any = ucp.Context()
+    ctx_any = ucp.Context(tls="all")  # not the environment's UCX_TLS: another test may have set it
     for name, ctx, eh in (("get tcp", tcp, True), ("get default lanes, no error handling", ctx_any, False)):
         region = ctx.map(local.ctypes.data, local.nbytes)
         ep = ctx.connect(peer.worker, error_handling=eh)
