@@ -26,10 +26,15 @@ _mod, REASON = native.load()
 ucp: Any = _mod
 
 
+def require_native() -> None:
+    if ucp is None:
+        pytest.skip(f"kvbridge._ucp: {REASON}")
+
+
 @pytest.fixture(autouse=True)
 def _needs_native(request: pytest.FixtureRequest) -> None:
-    if ucp is None and not request.function.__name__.startswith("test_loader"):
-        pytest.skip(f"kvbridge._ucp: {REASON}")
+    if not request.function.__name__.startswith("test_loader"):
+        require_native()
 
 
 PEER = Path(__file__).with_name("native_peer.py")
@@ -100,6 +105,7 @@ PUT_AREA = 128 * MiB
 
 @pytest.fixture(scope="module")
 def peer() -> Iterator[Peer]:
+    require_native()  # module fixtures run before the autouse check
     p = Peer(PEER_BYTES)  # all transports: tcp for the tests, cma for the throughput figure
     yield p
     p.close()
@@ -108,6 +114,7 @@ def peer() -> Iterator[Peer]:
 
 @pytest.fixture(scope="module")
 def tcp() -> Iterator[Any]:
+    require_native()
     ctx = ucp.Context(tls="tcp")
     yield ctx
     ctx.close()
