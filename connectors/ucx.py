@@ -64,8 +64,10 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
+from kvbridge.connectors import _ucx_onesided as onesided
 from kvbridge.connectors import _ucx_runtime as rtmod
 
+from kvbridge import native
 from kvbridge.contract import (
     Backend,
     BlockLoad,
@@ -93,8 +95,8 @@ log = logging.getLogger(__name__)
 PARAMS_VERSION = 1  # transfer_params["kvbridge_version"]
 WORKER_ADDRESS = "ucx_worker_address"  # PeerInfo.transport keys
 CONTROL_TAG = "ucx_control_tag"  # 8 bytes, little-endian: where the producer takes pulls
-HOLD_GRACE_S = 5.0  # how long a pull waits for the producer's engine to report the request held
-HOLDS = "ucx_holds"  # StepPlan.extra key: ((request_id, block_ids, expires_at), ...)
+HOLD_GRACE_S = 5.0  # how long a two-sided pull waits for the producer's engine to report the request held
+PLAN = "ucx"  # StepPlan.extra key of the scheduler's UcxPlan
 
 # ---- wire format of the UCX control messages (little-endian) ---------------------------------------
 _MAGIC = b"KVBU"
@@ -113,6 +115,25 @@ _MAX_CHUNK_BYTES = 1 << 30  # what a producer gathers per chunk at most, whateve
 _SERVES = 4  # pulls a producer worker serves at once; others queue
 _LOAD_THREADS = 4  # loads a consumer worker runs at once
 _GRAVEYARD_BYTES = 512 << 20  # staging buffers of abandoned receives kept alive (UCX may still write them)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hold:
+    """A finished request whose blocks the engine keeps for a consumer until ``expires_at`` (wall clock)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    expires_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class UcxPlan:
+    """What a producer's scheduler tells its workers each step (``StepPlan.extra["ucx"]``): the key that
+    signs its grants (sent every step, so a worker can check any grant its scheduler issued, also while
+    the engine is idle afterwards) and the requests it now holds (for lease expiry)."""
+
+    grant_key: bytes
+    holds: tuple[Hold, ...] = ()
 
 
 def _wants_remote_decode(role: str, request: RequestInfo) -> bool:
@@ -139,6 +160,11 @@ class UcxOptions:
       "polling". "blocking" progresses UCX on the runtime's loop thread: measured here ~2x the bulk
       throughput of "thread" (see kvbridge.bench.ucx_baselines) but slower small-message round trips.
     - ``ucx_tls``: UCX_TLS for this process (wins over the environment; default ``^cma``); process-wide.
+    - ``lane``: how a consumer reads: "auto" (default: one-sided ``cma`` on one host, else one-sided
+      ``ucp`` GET with peer error handling, else the two-sided path when the native module is missing),
+      "cma", "ucp", "ucp-unsafe" (UCX may pick cma with error handling off: a dying producer can abort
+      the consumer), "two-sided" (tag sends served by the producer's Python). See
+      :mod:`kvbridge.connectors._ucx_onesided`.
     - ``token``: shared token of the metadata plane (both sides must agree).
     """
 
@@ -153,6 +179,7 @@ class UcxOptions:
     progress_mode: Literal["thread", "thread-polling", "blocking", "polling"] = "thread"
     ucx_tls: str = ""
     token: str | None = None
+    lane: Literal["auto", "cma", "ucp", "ucp-unsafe", "two-sided"] = "auto"
 
     def __post_init__(self) -> None:
         require(bool(self.advertise_host), "advertise_host must not be empty")
@@ -162,6 +189,7 @@ class UcxOptions:
         require(self.chunk_bytes >= 4096, f"chunk_bytes={self.chunk_bytes} must be >= 4096")
         require(1 <= self.max_inflight <= 64, f"max_inflight={self.max_inflight} outside [1, 64]")
         require(self.token is None or bool(self.token), "token must be non-empty (or unset)")
+        require(self.lane in onesided.LANES, f"lane={self.lane!r} is not one of {', '.join(onesided.LANES)}")
 
     @property
     def registry(self) -> Path:
@@ -271,6 +299,11 @@ def _usable_params(params: Any) -> Mapping[str, Any] | None:
         return None
     if not isinstance(many, (list, tuple)) or not all(_is_address(a) for a in many):
         return None
+    grant = params.get("grant", "")
+    if not isinstance(grant, str) or len(grant) > 256 or not re.fullmatch(r"(?:[0-9a-f]{2})*", grant):
+        return None
+    if grant and not onesided.grant_covers(bytes.fromhex(grant), ids):  # ids altered on the way
+        return None
     return params
 
 
@@ -284,7 +317,8 @@ class UcxScheduler(SchedulerSide):
         self._incoming: dict[str, _Incoming] = {}
         self._pending: list[BlockLoad] = []
         self._hold_after_load: list[str] = []
-        self._holds: list[tuple[str, tuple[int, ...], float]] = []
+        self._holds: list[Hold] = []
+        self._grant_key = onesided.new_key()  # a new engine, a new key: grants of a previous one fail
 
     def lookup(self, request: RequestInfo, num_computed_tokens: int) -> Lookup:
         self._check_open()
@@ -315,13 +349,14 @@ class UcxScheduler(SchedulerSide):
             "remote_request_id": str(p["request_id"]),
             "remote_block_ids": remote[first:last],
             "expires_at": float(p["expires_at"]),
+            "grant": str(p.get("grant", "")),
         }
         self._pending.append(BlockLoad(request.request_id, tuple(int(b) for b in block_ids[first:last]), source=source))
         incoming.loading = True
 
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         self._check_open()
-        extra = {HOLDS: tuple(self._holds)} if self._holds else {}
+        extra = {PLAN: UcxPlan(self._grant_key, tuple(self._holds))} if self.engine.role != "consumer" else {}
         plan = StepPlan(loads=tuple(self._pending), hold_after_load=tuple(self._hold_after_load), extra=extra)
         self._pending.clear()
         self._hold_after_load.clear()
@@ -358,7 +393,7 @@ class UcxScheduler(SchedulerSide):
             return FinishDecision()
         ids = tuple(int(b) for b in block_ids[:full])
         expires_at = time.time() + self.options.lease_s
-        self._holds.append((request.request_id, ids, expires_at))
+        self._holds.append(Hold(request.request_id, ids, expires_at))
         params = {
             "kvbridge_version": PARAMS_VERSION,
             "engine_id": self.engine.engine_id,
@@ -367,6 +402,7 @@ class UcxScheduler(SchedulerSide):
             "block_ids": list(ids),
             "num_tokens": full * self.engine.block_size,
             "expires_at": expires_at,
+            "grant": onesided.sign(self._grant_key, self.engine.engine_id, request.request_id, expires_at, ids).hex(),
         }
         if self.engine.world_size > 1 and all(addresses):
             params["metadata_addresses"] = addresses
@@ -473,7 +509,11 @@ class _Server:
         self._lock = threading.Lock()
         self._consumers: dict[tuple[str, int], Any] = {}  # (engine id, rank) -> UCX endpoint
         self._holds: dict[str, tuple[frozenset[int], float]] = {}
-        self._done: collections.OrderedDict[str, None] = collections.OrderedDict()  # released or expired
+        # released or expired -> already reported in finished_saving (False: released before the engine
+        # told us it held the request, and not provably handed off; reported when the plan names it)
+        self._done: collections.OrderedDict[str, bool] = collections.OrderedDict()
+        self._grant_key: bytes | None = None  # from the scheduler's plans
+        self.exporter = self._export(layout)
         self._finished: set[str] = set()  # to report in finished_saving
         self._in_service: collections.Counter[str] = collections.Counter()  # request id -> pulls of it being served
         self._control_buf = np.empty(CONTROL_BYTES, dtype=np.uint8)
@@ -486,9 +526,26 @@ class _Server:
         self._serving = rt.submit(self._control_loop())
         _publish(options, engine.engine_id, engine.rank, self.address)
 
+    def _export(self, layout: KVLayout) -> onesided.Exporter | None:
+        if self.options.lane == "two-sided":
+            return None
+        mod, why = native.load()
+        if mod is None:
+            log.info("%s: one-sided reads unavailable (%s); serving two-sided pulls only", self.engine.engine_id, why)
+            return None
+        return onesided.Exporter(layout, self.options.ucx_tls)
+
     # ---- metadata callbacks (gRPC threads) ----
     def _handshake(self, peer: PeerInfo) -> PeerInfo:
         self.layout.fingerprint.check(peer.fingerprint, what=f"consumer {peer.engine_id}")
+        ask = peer.transport.get(onesided.ASK)
+        if ask is not None and self.exporter is not None:
+            rid, grant = onesided.decode_ask(ask)
+            with self._lock:
+                key = self._grant_key
+            if onesided.verify(key, self.engine.engine_id, rid, grant) is None:  # rkeys only for a hand-off
+                raise ProtocolError(f"consumer {peer.engine_id} named request {rid!r} without a valid grant of this producer")
+            return dataclasses.replace(self.info, transport={**self.info.transport, **self.exporter.transport()})
         address = peer.transport.get(WORKER_ADDRESS)
         if not address:
             raise ProtocolError(f"consumer {peer.engine_id} sent no {WORKER_ADDRESS}")
@@ -500,26 +557,50 @@ class _Server:
             self.rt.close_endpoint(old)
         return self.info
 
-    def _release(self, engine_id: str, request_id: str, aborted: bool) -> None:
+    def _release(self, engine_id: str, request_id: str, aborted: bool, grant: bytes) -> bool:
+        """Free the request's blocks (reported at the engine's next step); answer whether they stayed held
+        from the hand-off until now. A valid grant proves the hand-off even before the engine told this
+        worker (an idle engine never does); without one only a request the plans named counts."""
         self.stats.add(releases=1)
+        now = time.time()
         with self._lock:
-            self._mark_done(request_id)
-            if self._holds.pop(request_id, None) is not None:
+            expires = onesided.verify(self._grant_key, self.engine.engine_id, request_id, grant)
+            if expires is None and grant and self._grant_key is not None and request_id not in self._holds:
+                # another engine's grant (this address restarted): not ours to free, nor to remember
+                log.info("%s: ignored a release of %s with a foreign grant", self.engine.engine_id, request_id)
+                return False
+            known = self._holds.pop(request_id, None)
+            if known is not None:
+                expires = known[1] if expires is None else expires
+            done_before = request_id in self._done
+            handed_off = expires is not None and not done_before
+            if handed_off:
                 self._finished.add(request_id)
+            if not done_before:
+                self._mark_done(request_id, reported=handed_off)
+        held = handed_off and expires is not None and now <= expires
+        if not held and not aborted:
+            self.stats.add(refused_pulls=1)
+            log.info("%s: %s released by %s was not held throughout (%s)", self.engine.engine_id, request_id, engine_id,
+                     "already released or expired" if done_before else "no valid grant" if expires is None else "lease over")
+        return held
 
-    def _mark_done(self, request_id: str) -> None:
-        self._done[request_id] = None
+    def _mark_done(self, request_id: str, *, reported: bool) -> None:
+        self._done[request_id] = reported
         while len(self._done) > 65536:
             self._done.popitem(last=False)
 
     # ---- engine steps ----
-    def hold(self, holds: Sequence[tuple[str, Sequence[int], float]]) -> None:
+    def hold(self, plan: UcxPlan) -> None:
         with self._lock:
-            for rid, blocks, expires_at in holds:
-                if rid in self._done:  # released before the plan told us it was held
-                    self._finished.add(rid)
-                else:
-                    self._holds[rid] = (frozenset(int(b) for b in blocks), float(expires_at))
+            self._grant_key = plan.grant_key
+            for h in plan.holds:
+                reported = self._done.get(h.request_id)
+                if reported is False:  # released before the plan told us it was held: report it now
+                    self._finished.add(h.request_id)
+                    self._done[h.request_id] = True
+                elif reported is None:
+                    self._holds[h.request_id] = (frozenset(h.block_ids), float(h.expires_at))
 
     def take_finished(self) -> set[str]:
         now = time.time()
@@ -528,7 +609,7 @@ class _Server:
             expired = [rid for rid, (_, exp) in self._holds.items() if exp < now and not self._in_service[rid]]
             for rid in expired:
                 del self._holds[rid]
-                self._mark_done(rid)
+                self._mark_done(rid, reported=True)
                 self._finished.add(rid)
             out, self._finished = self._finished, set()
         if expired:
@@ -665,6 +746,8 @@ class _Server:
             eps, self._consumers = list(self._consumers.values()), {}
         for ep in eps:
             self.rt.close_endpoint(ep)
+        if self.exporter is not None:
+            self.exporter.close()
 
 
 # ---- consumer worker: pulling ---------------------------------------------------------------------------
@@ -672,7 +755,15 @@ class _Server:
 class _Peer:
     client: MetadataClient
     info: PeerInfo
-    ep: Any
+    ep: Any = None  # ucxx endpoint (two-sided)
+    source: onesided.Source | None = None  # one-sided reads
+
+    def close(self, rt: rtmod.Runtime) -> None:
+        if self.ep is not None:
+            rt.close_endpoint(self.ep)
+        if self.source is not None:
+            self.source.close()
+        self.client.close()
 
 
 _GRAVEYARD: collections.deque[torch.Tensor] = collections.deque()
@@ -708,7 +799,7 @@ class _Puller:
             return str(source["metadata_address"])
         raise ProtocolError(f"the producer published no metadata address for rank {self.engine.rank}")
 
-    def _peer(self, address: str) -> _Peer:
+    def _peer(self, address: str, src: Mapping[str, Any]) -> _Peer:
         with self._lock:
             lock = self._peer_locks[address]
         with lock:  # one handshake per producer, even with many loads starting at once
@@ -717,13 +808,27 @@ class _Puller:
                 return peer
             client = MetadataClient(address, token=self.options.token, timeout=self.options.timeout_s / 2, retries=1)
             try:
-                theirs = client.handshake(self.info)
-                ep = self.rt.call(self.rt.connect(theirs.transport[WORKER_ADDRESS]), self.options.timeout_s)
+                peer = self._handshake(client, src)
             except BaseException:
                 client.close()
                 raise
-            peer = self._peers[address] = _Peer(client, theirs, ep)
+            self._peers[address] = peer
             return peer
+
+    def _handshake(self, client: MetadataClient, src: Mapping[str, Any]) -> _Peer:
+        lane = self.options.lane
+        mod, why = native.load() if lane != "two-sided" else (None, "lane='two-sided'")
+        if mod is None and lane != "auto" and lane != "two-sided":
+            raise PeerUnreachable(f"lane={lane!r} needs the native module: {why}")
+        if mod is not None:  # ask for one-sided access, naming the hand-off that entitles us to it
+            ask = onesided.encode_ask(str(src["remote_request_id"]), bytes.fromhex(str(src.get("grant", ""))))
+            theirs = client.handshake(dataclasses.replace(self.info, transport={onesided.ASK: ask}))
+            source = onesided.open_source(theirs, self.layout, lane, self.options.ucx_tls)
+            if source is not None:
+                return _Peer(client, theirs, source=source)
+        theirs = client.handshake(self.info)
+        ep = self.rt.call(self.rt.connect(theirs.transport[WORKER_ADDRESS]), self.options.timeout_s)
+        return _Peer(client, theirs, ep=ep)
 
     def _drop(self, address: str) -> None:
         with self._lock:
@@ -731,27 +836,88 @@ class _Puller:
         with lock:
             peer = self._peers.pop(address, None)
         if peer is not None:
-            self.rt.close_endpoint(peer.ep)
-            peer.client.close()
+            peer.close(self.rt)
 
     def load(self, op: BlockLoad) -> set[int]:
         """Pull ``op``; return the local block ids that did not arrive. Never raises."""
         src = op.source or {}
-        arrived = [0]  # blocks (from the first) in place so far, also when the pull fails midway
-        address = ""
         try:
             address = self._address(src)
-            self._pull(self._peer(address), op, src, arrived)
+            peer = self._peer(address, src)
         except Exception as exc:  # noqa: BLE001 - every failure is a failed block, recomputed by the engine
-            log.log(logging.WARNING if isinstance(exc, KVBridgeError) else logging.ERROR,
-                    "%s: pull of %s from %s failed after %d of %d blocks: %s: %s", self.engine.engine_id,
-                    op.request_id, src.get("engine_id"), arrived[0], len(op.block_ids), type(exc).__name__, exc,
-                    exc_info=not isinstance(exc, KVBridgeError))
-            if isinstance(exc, TransferError) and address:
+            self._log_failure(op, src, 0, exc)
+            address = self._address_or_empty(src)
+            self._release(address, src, ok=False)
+            return set(op.block_ids)
+        if peer.source is not None:
+            return self._read(address, peer, op, src)
+        return self._pull_two_sided(address, peer, op, src)
+
+    def _address_or_empty(self, src: Mapping[str, Any]) -> str:
+        try:
+            return self._address(src)
+        except Exception:  # noqa: BLE001 - no address: nobody to release to
+            return ""
+
+    def _log_failure(self, op: BlockLoad, src: Mapping[str, Any], arrived: int, exc: Exception) -> None:
+        log.log(logging.WARNING if isinstance(exc, KVBridgeError) else logging.ERROR,
+                "%s: pull of %s from %s failed after %d of %d blocks: %s: %s", self.engine.engine_id,
+                op.request_id, src.get("engine_id"), arrived, len(op.block_ids), type(exc).__name__, exc,
+                exc_info=not isinstance(exc, KVBridgeError))
+
+    def _pull_two_sided(self, address: str, peer: _Peer, op: BlockLoad, src: Mapping[str, Any]) -> set[int]:
+        arrived = [0]  # blocks (from the first) in place so far, also when the pull fails midway
+        try:
+            self._pull(peer, op, src, arrived)
+        except Exception as exc:  # noqa: BLE001 - every failure is a failed block, recomputed by the engine
+            self._log_failure(op, src, arrived[0], exc)
+            if isinstance(exc, TransferError):
                 self._drop(address)  # a timed-out endpoint may hold stale state: handshake anew next time
         finally:
             self._release(address, src, ok=arrived[0] == len(op.block_ids))
         return set(op.block_ids[arrived[0]:])
+
+    def _read(self, address: str, peer: _Peer, op: BlockLoad, src: Mapping[str, Any]) -> set[int]:
+        """One-sided: read every block straight into the KV, then count them only if the producer confirms
+        it held them throughout (see :mod:`kvbridge.connectors._ucx_onesided`). All or nothing."""
+        assert peer.source is not None
+        rid, t0 = str(src["remote_request_id"]), time.perf_counter()
+        grant = bytes.fromhex(str(src.get("grant", "")))
+        remote = np.asarray(src["remote_block_ids"], dtype=np.int64)
+        held = False
+        try:
+            if len(remote) != len(op.block_ids):
+                raise ProtocolError(f"{len(op.block_ids)} local blocks for {len(remote)} remote ones")
+            if not grant:  # without one the producer could confirm blocks it never handed off for this request
+                raise ProtocolError(f"transfer params of {rid} carry no grant: a one-sided read needs one")
+            if float(src.get("expires_at", 0.0)) < time.time():
+                raise ProtocolError(f"the lease of {rid} at {src['engine_id']} is over")
+            onesided.read(peer.source, self.layout, remote, np.asarray(op.block_ids, dtype=np.int64), self.options.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - nothing counts; the producer frees its blocks
+            log.warning("%s: one-sided read of %s from %s (%s) failed: %s: %s", self.engine.engine_id, op.request_id,
+                        src.get("engine_id"), peer.source.lane, type(exc).__name__, exc)
+            self._drop(address)  # a dead or restarted producer: handshake anew next time
+            self._release_quietly(peer.client, rid, grant, aborted=True)
+            return set(op.block_ids)
+        try:
+            held = peer.client.release(self.engine.engine_id, rid, aborted=False, grant=grant)
+        except KVBridgeError as exc:
+            log.warning("%s: producer %s did not confirm %s after the read: %s", self.engine.engine_id,
+                        src.get("engine_id"), rid, exc)
+            self._drop(address)
+        if not held:
+            log.warning("%s: producer %s no longer held %s when the read ended: %d blocks not counted",
+                        self.engine.engine_id, src.get("engine_id"), rid, len(op.block_ids))
+            return set(op.block_ids)
+        nbytes = len(op.block_ids) * self.layout.num_layers * self.layout.block_bytes
+        self.stats.add(load_bytes=nbytes, load_blocks=len(op.block_ids), load_seconds=time.perf_counter() - t0)
+        return set()
+
+    def _release_quietly(self, client: MetadataClient, rid: str, grant: bytes, *, aborted: bool) -> None:
+        try:
+            client.release(self.engine.engine_id, rid, aborted=aborted, grant=grant)
+        except KVBridgeError as exc:  # the producer's lease frees the blocks instead
+            log.info("%s: release of %s failed: %s", self.engine.engine_id, rid, exc)
 
     def _release(self, address: str, src: Mapping[str, Any], *, ok: bool) -> None:
         rid = src.get("remote_request_id")
@@ -762,7 +928,7 @@ class _Puller:
         client = peer.client if peer is not None else MetadataClient(address, token=self.options.token,
                                                                      timeout=self.options.timeout_s / 2, retries=1)
         try:
-            client.release(self.engine.engine_id, str(rid), aborted=not ok)
+            client.release(self.engine.engine_id, str(rid), aborted=not ok, grant=bytes.fromhex(str(src.get("grant", ""))))
         except KVBridgeError as exc:  # the producer's lease frees the blocks instead
             log.info("%s: release of %s at %s failed: %s", self.engine.engine_id, rid, address, exc)
         finally:
@@ -850,8 +1016,7 @@ class _Puller:
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
-            self.rt.close_endpoint(peer.ep)
-            peer.client.close()
+            peer.close(self.rt)
 
 
 class UcxWorker(WorkerSide):
@@ -887,8 +1052,9 @@ class UcxWorker(WorkerSide):
 
     def start_step(self, plan: StepPlan) -> None:
         self._require_layout()
-        if self.server is not None and plan.extra.get(HOLDS):
-            self.server.hold(plan.extra[HOLDS])
+        ucx_plan = plan.extra.get(PLAN)
+        if self.server is not None and isinstance(ucx_plan, UcxPlan):
+            self.server.hold(ucx_plan)
         with self._lock:
             for rid in plan.hold_after_load:
                 (self._holds if rid in self._inflight else self._saved).add(rid)

@@ -7,6 +7,10 @@ affected blocks only, in ``failed_blocks``) within a stated deadline, or is a mi
 hangs, the consumer (this process) survives, and the producer's held blocks are always released
 (release, aborted release, or lease expiry). Every fault is real unless its test says it is a fake.
 
+The consumers here use the two-sided path (``lane="two-sided"``: chunks tag-sent by the producer), whose
+faults differ from the one-sided lanes' (tests/test_ucx_onesided.py): a killed two-sided pull keeps the
+bit-exact chunks that arrived, a one-sided read counts nothing the producer did not confirm.
+
 Peers run in their own processes (tests/ucx_fault_peer.py) with a small KV cache: 4 layers, 4 KV heads,
 head size 64, bf16, block size 16 — 16 KiB per block and layer, 64 KiB per block; the consumer runs here
 with ``timeout_s`` = 2 s.
@@ -138,6 +142,7 @@ class Peer:
 
 
 def _consumer(tmp: Path, engine_id: str = "consumer", **options: Any) -> MiniEngine:
+    options.setdefault("lane", "two-sided")  # this suite covers the chunked tag path; one-sided: test_ucx_onesided.py
     opts = UcxOptions(registry_dir=str(tmp / "registry-c"), timeout_s=TIMEOUT_S, chunk_bytes=1 << 20, **options)
     return MiniEngine(UcxBackend(opts), engine_id=engine_id, role="consumer", num_blocks=128, seed=2, **GEOMETRY)
 
@@ -250,7 +255,8 @@ def test_consumer_killed_mid_pull_producer_serves_on_and_lease_frees(tmp_path: P
     meanwhile, and frees the dead consumer's request by lease expiry (LEASE_S; a lease never expires under
     a pull still being served, so: lease or the producer's send deadline, whichever is later)."""
     before = live.state()["stats"]
-    victim = Peer("consumer", tmp_path / "c", "--engine-id", "doomed-consumer", "--chunk-bytes", str(2 * BLOCK_BYTES))
+    victim = Peer("consumer", tmp_path / "c", "--engine-id", "doomed-consumer", "--chunk-bytes", str(2 * BLOCK_BYTES),
+                  "--lane", "two-sided")
     consumer = _consumer(tmp_path, engine_id="survivor")
     try:
         live.ask(op="slow", seconds=0.3)  # 10 chunks of 2 blocks, 0.3 s per gather

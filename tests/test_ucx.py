@@ -197,7 +197,8 @@ def test_layout_mismatch_is_refused_at_handshake(producer: Producer, tmp_path: P
 def test_producer_killed_mid_transfer(tmp_path: Path) -> None:
     """SIGKILL during a pull: the blocks that arrived are exact, the rest fail within the deadline, we live on."""
     p = Producer(tmp_path / "slow", "--slow", "0.4", "--num-blocks", "24", "--layers", "8")  # 512 KiB blocks
-    consumer = _consumer(tmp_path, num_blocks=24, layers=8, timeout_s=2.0, chunk_bytes=1 << 20)  # 2 blocks per chunk
+    consumer = _consumer(tmp_path, num_blocks=24, layers=8, timeout_s=2.0, chunk_bytes=1 << 20,  # 2 blocks per chunk
+                         lane="two-sided")  # chunked tag sends; the one-sided lanes: tests/test_ucx_onesided.py
     try:
         params = p.prefill("killed", 20 * 16 + 5, seed=40)
         sent = p.sent("killed")

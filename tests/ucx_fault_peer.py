@@ -85,10 +85,11 @@ def main() -> None:
     ap.add_argument("--chunk-bytes", type=int, default=1 << 20)
     ap.add_argument("--forge-head-size", type=int, default=0)
     ap.add_argument("--hang-release", action="store_true")
+    ap.add_argument("--lane", default="auto")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     options = UcxOptions(registry_dir=str(args.out / "registry"), lease_s=args.lease, timeout_s=args.timeout,
-                         chunk_bytes=args.chunk_bytes)
+                         chunk_bytes=args.chunk_bytes, lane=args.lane)
     backend = UcxBackend(options)
     geometry = {"num_layers": args.layers, "num_kv_heads": args.heads, "head_size": args.head_size, "block_size": 16,
                 "dtype": torch.bfloat16}
@@ -114,7 +115,7 @@ def main() -> None:
             server.layout = _LyingLayout(server.layout, forged)
             server.info = dataclasses.replace(server.info, fingerprint=forged)
         if args.hang_release:
-            def hang(engine_id: str, request_id: str, aborted: bool) -> None:
+            def hang(engine_id: str, request_id: str, aborted: bool, grant: bytes) -> None:
                 (args.out / "releasing").touch()
                 threading.Event().wait(120)
 

@@ -6,6 +6,7 @@ pumping the engine between them (so releases and leases free blocks as in a real
 - ``{"op": "prefill", "rid": R, "tokens": N, "seed": S}`` — prefill N tokens; writes the snapshot of the
   full blocks (the bytes that left) to OUT/R.pt; answers ``{"params": transfer_params}``.
 - ``{"op": "held"}`` — answers ``{"held": [request ids still held]}``.
+- ``{"op": "pump"}`` — one engine step (with ``--idle`` the engine steps only then); answers ``{}``.
 - ``{"op": "quit"}``.
 
 ``--slow S`` makes every gather of a pull sleep S seconds first and touch OUT/gathered.<n>, so a test can
@@ -42,8 +43,12 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=80)
     ap.add_argument("--lease", type=float, default=60.0)
     ap.add_argument("--layers", type=int, default=GEOMETRY["num_layers"])
+    ap.add_argument("--idle", action="store_true", help="no engine step after a prefill, nor between commands")
+    ap.add_argument("--metadata-port", type=int, default=0)
+    ap.add_argument("--lane", default="auto")
     args = ap.parse_args()
-    options = UcxOptions(registry_dir=str(args.out / "registry"), lease_s=args.lease, timeout_s=5.0)
+    options = UcxOptions(registry_dir=str(args.out / "registry"), lease_s=args.lease, timeout_s=5.0,
+                         metadata_port=args.metadata_port, lane=args.lane)
     engine = MiniEngine(UcxBackend(options), engine_id="producer", role="producer", num_blocks=args.num_blocks, seed=1,
                         **{**GEOMETRY, "num_layers": args.layers})
     if args.slow:
@@ -59,17 +64,21 @@ def main() -> None:
     print(json.dumps({"ready": True}), flush=True)
     while True:
         if not select.select([sys.stdin], [], [], 0.01)[0]:
-            engine.pump()
+            if not args.idle:
+                engine.pump()
             continue
         line = sys.stdin.readline()
         if not line:
             break
         cmd = json.loads(line)
         if cmd["op"] == "prefill":
-            sent = engine.prefill(cmd["rid"], tokens(cmd["tokens"], cmd["seed"]))
+            sent = engine.prefill(cmd["rid"], tokens(cmd["tokens"], cmd["seed"]), step_after=not args.idle)
             n = len(sent.keys)
             torch.save(sent.snapshot[:, :n].clone(), args.out / f"{cmd['rid']}.pt")
             print(json.dumps({"params": sent.finish.transfer_params}), flush=True)
+        elif cmd["op"] == "pump":
+            engine.pump()
+            print(json.dumps({}), flush=True)
         elif cmd["op"] == "held":
             engine.pump()
             print(json.dumps({"held": sorted(engine.held)}), flush=True)

@@ -99,7 +99,7 @@ class MetadataServer:
     raise :class:`~kvbridge.errors.LayoutMismatch` / :class:`~kvbridge.errors.ProtocolError` to refuse,
     and the server itself refuses a peer whose protocol version it does not speak or whose layout
     differs from the answer. ``on_release(engine_id, request_id, aborted, grant) -> held`` is called once per
-    ``(engine_id, request_id)`` (``grant``: the opaque bytes the consumer got in the transfer params; the
+    ``(engine_id, request_id, grant)`` (``grant``: the opaque bytes the consumer got in the transfer params; the
     answer ``held``, true when the blocks stayed held until now, goes back to the consumer; ``None`` is
     false): repeats (a client's retries) answer ``duplicate`` (and not held) without calling it
     again — among the last ``release_memory`` releases; it should still tolerate an unknown request.
@@ -136,7 +136,7 @@ class MetadataServer:
         self._on_handshake = on_handshake
         self._on_release = on_release
         self._max_hashes = max_hashes
-        self._released: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._released: collections.OrderedDict[tuple[str, str, bytes], None] = collections.OrderedDict()
         self._release_memory = release_memory
         self._release_lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers, thread_name_prefix="kvbridge-metadata")
@@ -254,7 +254,10 @@ class MetadataServer:
         return pb.HandshakeResponse(peer=wire.peer_to_pb(ours))
 
     def _release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
-        key = (wire.check_id(request.engine_id, "engine_id"), wire.check_id(request.request_id, "request_id"))
+        # the grant is part of who releases what: a stale grant (a producer restarted on this address)
+        # must not make the real hand-off of a reused request id look like a repeat
+        key = (wire.check_id(request.engine_id, "engine_id"), wire.check_id(request.request_id, "request_id"),
+               bytes(request.grant))
         if self._on_release is None:
             raise wire.Unimplemented("no engine behind this metadata server takes releases")
         with self._release_lock:
@@ -265,7 +268,7 @@ class MetadataServer:
             while len(self._released) > self._release_memory:
                 self._released.popitem(last=False)
         try:
-            held = self._on_release(key[0], key[1], request.aborted, bytes(request.grant))
+            held = self._on_release(key[0], key[1], request.aborted, key[2])
         except BaseException:
             with self._release_lock:
                 self._released.pop(key, None)

@@ -184,13 +184,18 @@ class MiniEngine:
             time.sleep(0.001)
 
     # ---- the request life cycle ------------------------------------------------------------------
-    def prefill(self, request_id: str, tokens: Sequence[int], params: Mapping[str, Any] | None = None, *, timeout: float = 30.0) -> PrefillResult:
-        return self.prefill_many([(request_id, tokens, params)], timeout=timeout)[0]
+    def prefill(self, request_id: str, tokens: Sequence[int], params: Mapping[str, Any] | None = None, *,
+                timeout: float = 30.0, step_after: bool = True) -> PrefillResult:
+        return self.prefill_many([(request_id, tokens, params)], timeout=timeout, step_after=step_after)[0]
 
     def prefill_many(
-        self, requests: Sequence[tuple[str, Sequence[int], Mapping[str, Any] | None]], *, timeout: float = 30.0
+        self, requests: Sequence[tuple[str, Sequence[int], Mapping[str, Any] | None]], *, timeout: float = 30.0,
+        step_after: bool = True,
     ) -> list[PrefillResult]:
-        """Prefill several requests in the same steps (their loads share one plan), then finish them."""
+        """Prefill several requests in the same steps (their loads share one plan), then finish them.
+
+        ``step_after=False`` models an engine that goes idle once the requests end (vLLM's offline
+        ``LLM.generate`` returning, an API server after its last request): no step follows the finish."""
         bs = self.block_size
         reqs = [self.request(rid, toks, params) for rid, toks, params in requests]
         accepted, blocks = {}, {}
@@ -253,7 +258,7 @@ class MiniEngine:
                     snapshot,
                 )
             )
-        if self._held:
+        if self._held and step_after:
             self.pump()  # as an engine does: the step after a request ends tells the worker what it holds
         return results
 

@@ -1,0 +1,278 @@
+"""One-sided pulls for the ``ucx`` backend: the consumer reads the producer's KV blocks straight into its own.
+
+The producer registers its KV once (:class:`Exporter`); a consumer that passed the metadata plane's
+checks gets, in the handshake, what it needs to address every block: the layout's
+:class:`~kvbridge.layout.BlockAddressing`, the producer's pid and a probe (for ``cma``), and its UCX
+worker address and packed rkeys (for ``ucp``). Per load the consumer derives remote and local
+addresses from block ids with one numpy expression and hands the whole batch to the native module
+(:mod:`kvbridge._ucp`), which merges adjacent descriptors and moves them with the GIL released. No
+staging copy on either side, and the producer's Python does nothing per transfer.
+
+**Lanes** (option ``lane``):
+
+- ``cma`` — same host: ``process_vm_readv`` of the descriptors, straight from the producer's memory
+  (what UCX's own cma transport does, but here a dead producer is an ``OSError``, never an abort).
+  Chosen by ``auto`` when the probe reads back: the consumer reads a random nonce at an address the
+  producer named, which proves same host, same pid namespace, permission, and the right process.
+- ``ucp`` — UCX RMA GET with *peer error handling* (a dead peer is an error): TCP between hosts, RDMA
+  with a site UCX, CUDA memory through UCX's cuda transports. ``auto`` takes it when ``cma`` cannot be
+  used (other host, CUDA KV).
+- ``ucp-unsafe`` — UCX GET with error handling off, which lets UCX choose cma itself. A producer killed
+  mid-read can then abort the consumer (UCX 1.21) or complete the read "OK" with wrong bytes (1.22):
+  documented opt-in only.
+
+**When bytes count as loaded.** A one-sided reader cannot see the producer free or reuse a block. So a
+read counts only after the producer confirms, in the release, that it *held* the request from the
+hand-off until then (``ReleaseResponse.held``): not released or expired before, lease not over, and
+handed off by this producer's own scheduler — the grant in the transfer params is an HMAC with a key
+the scheduler sends its workers in every step plan, so a producer that restarted (new key) or never
+handed the request off says no. The producer frees the blocks only after it has answered (it reports
+the release in its next step), so confirmed bytes were never overwritten during the read. A dead
+producer cannot confirm; a failed read or refusal fails every block of the load (the engine
+recomputes them), because a one-sided batch may have landed partly.
+
+**Trust.** UCX traffic is neither authenticated nor encrypted. Whoever holds the rkeys (``ucp``) can read
+the producer's whole registered KV cache — every request's blocks, not only the ones handed off —
+until the producer exits; ``cma`` needs no key but the same uid (it reads the producer's memory like a
+debugger). The producer gives rkeys only in a handshake that passed the metadata plane's token (and
+TLS when configured) and named a request its own scheduler handed off (a valid grant).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from kvbridge import native
+from kvbridge.errors import LayoutMismatch, PeerUnreachable, ProtocolError, TransferTimeout
+from kvbridge.layout import BlockAddressing, KVLayout
+from kvbridge.metadata.types import PeerInfo
+
+log = logging.getLogger(__name__)
+
+LANES = ("auto", "cma", "ucp", "ucp-unsafe", "two-sided")
+# handshake transport keys (PeerInfo.transport)
+ASK = "ucx1s_ask"  # consumer: request id + grant of the load that asks for one-sided access
+PID, PROBE, ADDRESSING, WORKER, RKEYS, MEMORY, BLOCKS = ("ucx1s_pid", "ucx1s_probe", "ucx1s_addressing", "ucx1s_worker",
+                                                          "ucx1s_rkeys", "ucx1s_memory", "ucx1s_blocks")
+_GRANT = struct.Struct("<d32s32s")  # expires_at, HMAC-SHA256, sha256 of the block ids it covers
+
+
+# ---- grants: "my scheduler handed these blocks off", checkable by any of its workers --------------------
+def new_key() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def ids_digest(block_ids: Any) -> bytes:
+    return hashlib.sha256(np.asarray(block_ids, dtype="<i8").tobytes()).digest()
+
+
+def _mac(key: bytes, engine_id: str, request_id: str, expires_at: float, digest: bytes) -> bytes:
+    text = f"kvbridge-ucx-grant-1\0{engine_id}\0{request_id}\0{expires_at!r}\0".encode() + digest
+    return hmac.new(key, text, hashlib.sha256).digest()
+
+
+def sign(key: bytes, engine_id: str, request_id: str, expires_at: float, block_ids: Any) -> bytes:
+    """The grant a scheduler puts in the transfer params: its expiry, a MAC over (engine, request, expiry,
+    block ids) and the digest of those ids; a consumer sends it back as it got it."""
+    digest = ids_digest(block_ids)
+    return _GRANT.pack(expires_at, _mac(key, engine_id, request_id, expires_at, digest), digest)
+
+
+def verify(key: bytes | None, engine_id: str, request_id: str, grant: bytes) -> float | None:
+    """The grant's expiry if ``key`` signed it for this request (and its block ids), else ``None``. Block
+    ids altered on the way (a proxy, a client) change the digest, so they fail here."""
+    if not key or len(grant) != _GRANT.size:
+        return None
+    expires_at, mac, digest = _GRANT.unpack(grant)
+    return expires_at if hmac.compare_digest(_mac(key, engine_id, request_id, expires_at, digest), mac) else None
+
+
+def grant_covers(grant: bytes, block_ids: Any) -> bool:
+    """Whether ``grant`` names exactly these block ids (the consumer checks its params before reading)."""
+    return len(grant) == _GRANT.size and _GRANT.unpack(grant)[2] == ids_digest(block_ids)
+
+
+def encode_ask(request_id: str, grant: bytes) -> bytes:
+    return request_id.encode() + b"\0" + grant
+
+
+def decode_ask(data: bytes) -> tuple[str, bytes]:
+    rid, _, grant = data.partition(b"\0")
+    return rid.decode(errors="replace"), grant
+
+
+# ---- the process's native context ----------------------------------------------------------------------
+_CTX: Any = None
+_CTX_LOCK = threading.Lock()
+
+
+def context(tls: str) -> Any:
+    """The process-wide native UCX context (with a progress thread: a producer's worker must progress for
+    TCP GETs to be served), made on first use; raises :class:`PeerUnreachable` if the module is missing."""
+    global _CTX
+    mod, why = native.load()
+    if mod is None:
+        raise PeerUnreachable(f"one-sided UCX unavailable: {why}")
+    with _CTX_LOCK:
+        if _CTX is None:
+            _CTX = mod.Context(tls=tls or None, progress_thread=True)
+        return _CTX
+
+
+def _memory_type(layout: KVLayout) -> str:
+    return "cuda" if layout.device.type == "cuda" else "host"
+
+
+# ---- producer --------------------------------------------------------------------------------------------
+class Exporter:
+    """A producer worker's KV, registered once for one-sided readers (``cma`` needs no registration)."""
+
+    def __init__(self, layout: KVLayout, tls: str):
+        self.layout = layout
+        self.addressing = layout.addressing()
+        self._probe = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()  # kept alive with self
+        self._regions: list[Any] = []
+        self._ucp_error = ""
+        try:
+            ctx = context(tls)
+            self._regions = [ctx.map(addr, n, memory_type=_memory_type(layout)) for addr, n in layout.regions()]
+            self._worker = bytes(ctx.address)
+        except Exception as exc:  # noqa: BLE001 - cma may still serve; say why ucp cannot
+            self._ucp_error = f"{type(exc).__name__}: {exc}"
+            log.info("one-sided ucp unavailable on this producer: %s", self._ucp_error)
+
+    def transport(self) -> dict[str, bytes]:
+        """What a granted consumer gets in the handshake answer."""
+        out = {
+            PID: str(os.getpid()).encode(),
+            PROBE: f"{self._probe.ctypes.data}:{self._probe.tobytes().hex()}".encode(),
+            ADDRESSING: self.addressing.to_json().encode(),
+            MEMORY: _memory_type(self.layout).encode(),
+            BLOCKS: str(self.layout.num_blocks).encode(),
+        }
+        if self._regions:
+            out[WORKER] = self._worker
+            out[RKEYS] = json.dumps([[r.address, r.length, bytes(r.rkey).hex()] for r in self._regions]).encode()
+        return out
+
+    def close(self) -> None:
+        for region in self._regions:
+            region.close()
+        self._regions = []
+
+
+# ---- consumer --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Source:
+    """One producer worker as a one-sided reader sees it (from its handshake answer)."""
+
+    lane: str
+    addressing: BlockAddressing
+    num_blocks: int
+    pid: int = 0
+    ep: Any = None
+    layer_rkey: np.ndarray | None = None  # rkey index per layer (ucp)
+
+    def close(self) -> None:
+        if self.ep is not None:
+            self.ep.close(force=True)
+            self.ep = None
+
+
+def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str) -> Source | None:
+    """The way to read ``theirs`` one-sided under ``lane``, or ``None`` when it did not export its KV
+    (an older or two-sided producer: the caller falls back). Raises when ``lane`` names one that fails."""
+    t = theirs.transport
+    if ADDRESSING not in t:
+        if lane in ("cma", "ucp", "ucp-unsafe"):
+            raise ProtocolError(f"producer {theirs.engine_id} offers no one-sided access (lane={lane!r})")
+        return None
+    addressing = BlockAddressing.from_json(t[ADDRESSING])
+    layout.addressing().check_compatible(addressing)
+    num_blocks = int(t.get(BLOCKS, b"0"))
+    host_kv = t.get(MEMORY, b"host") == b"host" and layout.device.type == "cpu"
+    if lane in ("auto", "cma") and host_kv:
+        pid = int(t[PID])
+        if _probe(pid, t[PROBE]):
+            return Source("cma", addressing, num_blocks, pid=pid)
+        if lane == "cma":
+            raise PeerUnreachable(f"cma cannot read producer {theirs.engine_id} (pid {pid}): other host, "
+                                  "pid namespace or permission (ptrace scope)")
+    if WORKER not in t:
+        raise PeerUnreachable(f"producer {theirs.engine_id} registered no KV with UCX; no one-sided lane left")
+    ctx = context(tls)
+    ep = ctx.connect(t[WORKER], error_handling=lane != "ucp-unsafe")
+    try:
+        regions = json.loads(t[RKEYS])
+        index = [ep.add_rkey(bytes.fromhex(key)) for _, _, key in regions]
+        layer_rkey = np.empty(len(addressing.bases), dtype=np.uint32)
+        for i, base in enumerate(addressing.bases):
+            hits = [k for k, (addr, n, _) in enumerate(regions) if addr <= base < addr + n]
+            if not hits:
+                raise LayoutMismatch(f"producer layer {i} lies in no registered region")
+            layer_rkey[i] = index[hits[0]]
+    except BaseException:
+        ep.close(force=True)
+        raise
+    return Source("ucp" if lane != "ucp-unsafe" else lane, addressing, num_blocks, ep=ep, layer_rkey=layer_rkey)
+
+
+def _probe(pid: int, probe: bytes) -> bool:
+    mod, _ = native.load()
+    addr, _, nonce = probe.decode().partition(":")
+    want = bytes.fromhex(nonce)
+    got = np.zeros(len(want), dtype=np.uint8)
+    one = np.ones(1, dtype=np.uint64)
+    try:
+        assert mod is not None
+        mod.cma_read(pid, np.array([int(addr)], dtype=np.uint64), np.array([got.ctypes.data], dtype=np.uint64),
+                     one * len(want))
+    except OSError as exc:
+        log.info("cma probe of pid %d failed: %s", pid, exc)
+        return False
+    return got.tobytes() == want
+
+
+def read(src: Source, layout: KVLayout, remote_ids: np.ndarray, local_ids: np.ndarray, timeout_s: float) -> int:
+    """Read blocks ``remote_ids`` of ``src`` into the local blocks ``local_ids``, every layer, in one batch.
+    Raises on any failure (the caller counts nothing as loaded then)."""
+    mine = layout.addressing()
+    layout.check_ids(local_ids)
+    # only addresses inside the producer's KV: over tcp its UCX serves whatever address it is asked for
+    if len(remote_ids) and (int(remote_ids.min()) < 0 or int(remote_ids.max()) >= src.num_blocks):
+        raise ProtocolError(f"remote block ids outside the producer's [0, {src.num_blocks})")
+    remote = src.addressing.addresses(remote_ids)
+    local = mine.addresses(local_ids)
+    lengths = mine.lengths(len(local_ids))
+    mod, _ = native.load()
+    assert mod is not None
+    if src.lane == "cma":
+        try:
+            return int(mod.cma_read(src.pid, remote, local, lengths))
+        except OSError as exc:
+            raise PeerUnreachable(f"cma read from pid {src.pid}: {exc}") from None
+    assert src.layer_rkey is not None
+    per_layer = len(remote) // len(src.addressing.bases)
+    rkeys = np.repeat(src.layer_rkey, per_layer)
+    t0 = time.monotonic()
+    try:
+        return int(src.ep.get(remote, local, lengths, rkeys, timeout_s))
+    except TimeoutError:
+        raise TransferTimeout(f"one-sided read not done after {time.monotonic() - t0:.1f}s") from None
+    except ConnectionError as exc:
+        raise PeerUnreachable(f"one-sided read: {exc}") from None
+
+
+__all__ = ["LANES", "Exporter", "Source", "context", "grant_covers", "new_key", "open_source", "read", "sign", "verify"]

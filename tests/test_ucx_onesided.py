@@ -1,0 +1,136 @@
+"""One-sided ucx lanes between processes: the consumer reads the producer's KV straight into its own.
+
+The producer (tests/ucx_peer.py, Llama-3-8B-shaped KV: 2 MiB per block) runs with ``--idle``: no engine step
+follows its prefill, as after vLLM's offline ``LLM.generate`` returns. Every load is checked byte for byte
+against what left the producer, and every fault must end in failed blocks (nothing counted as loaded)
+within a deadline, with this process alive: a producer stopped or killed, a lease over, block ids altered
+on the way, a producer restarted on the same address.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
+from kvbridge import native  # noqa: E402
+
+if native.load()[0] is None:
+    pytest.skip(f"native one-sided module: {native.load()[1]}", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_ucx import Producer, _consumer, _load_only, _tokens  # noqa: E402
+
+from kvbridge.testing import MiniEngine  # noqa: E402
+
+TIMEOUT_S = 2.0
+
+
+def _lane(engine: MiniEngine) -> set[str]:
+    peers = engine.worker._puller._peers  # type: ignore[attr-defined]
+    return {p.source.lane for p in peers.values() if p.source is not None}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("lane", ["auto", "ucp"])
+def test_idle_producer_hands_off_bit_exact(tmp_path: Path, lane: str) -> None:
+    p = Producer(tmp_path / "p", "--idle", "--num-blocks", "72")
+    consumer = _consumer(tmp_path, lane=lane, timeout_s=TIMEOUT_S)
+    try:
+        params = p.prefill("idle", 1000, seed=11)
+        got = consumer.prefill("idle-c", _tokens(1000, 11), params, timeout=30)
+        assert got.failed_blocks == [] and len(got.loaded_blocks) == 62
+        assert torch.equal(got.snapshot[:, :62], p.sent("idle"))
+        assert _lane(consumer) == {"cma" if lane == "auto" else "ucp"}
+        assert consumer.worker.stats.load_bytes == 62 * 2 * 2**20  # type: ignore[attr-defined]
+        p.wait_freed()  # the release reaches the engine at its next step
+    finally:
+        consumer.close()
+        p.close()
+
+
+def test_altered_block_ids_count_nothing(tmp_path: Path) -> None:
+    p = Producer(tmp_path / "p", "--idle", "--num-blocks", "40")
+    consumer = _consumer(tmp_path, timeout_s=TIMEOUT_S)
+    try:
+        params = p.prefill("alt", 300, seed=12)
+        params["block_ids"] = list(reversed(params["block_ids"]))  # a proxy or client changed them
+        request = consumer.request("alt-c", _tokens(300, 12), params)
+        assert consumer.scheduler.lookup(request, 0).num_tokens == 0  # a miss: the grant names other ids
+        del params["grant"]  # and without a grant a one-sided read is refused before any byte moves
+        ids, report = _load_only(consumer, "alt-d", _tokens(300, 12), params, timeout=10)
+        assert report.failed_blocks == set(ids[:18]) and not consumer.read(ids[:18]).any()
+    finally:
+        consumer.close()
+        p.close()
+
+
+def test_stopped_then_killed_producer_confirms_nothing(tmp_path: Path) -> None:
+    p = Producer(tmp_path / "p", "--idle", "--num-blocks", "40")
+    consumer = _consumer(tmp_path, timeout_s=TIMEOUT_S)
+    try:
+        first, second = p.prefill("one", 200, seed=13), p.prefill("two", 200, seed=14)
+        assert consumer.prefill("one-c", _tokens(200, 13), first).failed_blocks == []  # handshake done
+        p.proc.send_signal(signal.SIGSTOP)  # memory stays readable; nobody confirms the hold
+        t0 = time.monotonic()
+        ids, report = _load_only(consumer, "two-c", _tokens(200, 14), second, timeout=30)
+        assert report.failed_blocks == set(ids[:12])
+        assert time.monotonic() - t0 < TIMEOUT_S + 3
+        p.proc.kill()
+        p.proc.wait()
+        t0 = time.monotonic()
+        ids, report = _load_only(consumer, "two-d", _tokens(200, 14), second, timeout=30)
+        assert report.failed_blocks == set(ids[:12]) and time.monotonic() - t0 < TIMEOUT_S + 3
+    finally:
+        consumer.close()
+        p.close()
+
+
+def test_lease_over_before_the_confirmation(tmp_path: Path) -> None:
+    p = Producer(tmp_path / "p", "--lease", "0.5", "--num-blocks", "40")  # steps: its lease expires
+    consumer = _consumer(tmp_path, timeout_s=TIMEOUT_S)
+    try:
+        params = p.prefill("late", 200, seed=15)
+        p.wait_freed()
+        params = dict(params, expires_at=time.time() + 60)  # the consumer's clock says there is time left
+        ids, report = _load_only(consumer, "late-c", _tokens(200, 15), params, timeout=10)
+        assert report.failed_blocks == set(ids[:12])
+    finally:
+        consumer.close()
+        p.close()
+
+
+def test_producer_restarted_on_the_same_address(tmp_path: Path) -> None:
+    port = str(_free_port())
+    old = Producer(tmp_path / "old", "--idle", "--num-blocks", "40", "--metadata-port", port)
+    consumer = _consumer(tmp_path, timeout_s=TIMEOUT_S)
+    new: Any = None
+    try:
+        params = old.prefill("r", 200, seed=16)
+        stale = old.prefill("s", 200, seed=17)
+        assert consumer.prefill("r-c", _tokens(200, 16), params).failed_blocks == []
+        old.close()
+        new = Producer(tmp_path / "new", "--idle", "--num-blocks", "40", "--metadata-port", port)
+        fresh = new.prefill("s", 200, seed=18)  # the same request id, other KV, in the same blocks maybe
+        for rid in ("s-c1", "s-c2"):  # a cached peer (dead pid), then a new handshake with the old grant
+            ids, report = _load_only(consumer, rid, _tokens(200, 17), stale, timeout=10)
+            assert report.failed_blocks == set(ids[:12])
+        got = consumer.prefill("s-c3", _tokens(200, 18), fresh)
+        assert got.failed_blocks == [] and torch.equal(got.snapshot[:, :12], new.sent("s"))
+    finally:
+        consumer.close()
+        old.close()
+        if new is not None:
+            new.close()
