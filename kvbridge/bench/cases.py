@@ -9,7 +9,8 @@ Operations: ``save`` and ``load`` for stores, ``transfer`` for peers (the consum
 ``sched_step`` for both — scheduler-side ``lookup`` + ``on_allocated`` + ``plan_step`` per request.
 
 To add a backend's baselines, add one :data:`BENCH` entry; to add a third-party system to compare
-against (LMCache's own engine, NIXL, Mooncake), give its :data:`EXTERNAL` entry a ``run``.
+against, give its :data:`EXTERNAL` entry a ``run``, or, to read the same request as a peer backend
+(NIXL, Mooncake, the raw media of ``ucx``), a row in :data:`kvbridge.bench.peers.PEERS`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from kvbridge.bench.core import (
     settle,
     time_reps,
 )
+from kvbridge.bench.peers import POINT_BASELINES, UCX_PEERS
 from kvbridge.contract import BlockLoad, RequestInfo
 from kvbridge.testing.engine import Target
 
@@ -69,7 +71,9 @@ BENCH: dict[str, BackendBench] = {
     "cpu": BackendBench(("memcpy",), _cpu),
     "chain": BackendBench(("memcpy",)),
     "fs": BackendBench(("file",)),
-    "ucx": BackendBench(("ucxx-wa", "ucxx", "tcp")),  # ucxx-wa: the medium the backend rides (kvbridge/bench/ucx_baselines.py)
+    # ucxx-wa: the medium the two-sided path rides (kvbridge/bench/ucx_baselines.py); UCX_PEERS: raw cma and ucp
+    # GET, NIXL and Mooncake reading the same request (kvbridge/bench/peers.py)
+    "ucx": BackendBench(("ucxx-wa", "ucxx", "tcp", *UCX_PEERS)),
 }
 DEFAULT_BENCH = BackendBench()
 
@@ -88,9 +92,7 @@ class ExternalPeer:
 
 EXTERNAL: dict[str, ExternalPeer] = {
     "lmcache-native": ExternalPeer("lmcache"),
-    "nixl": ExternalPeer("nixl"),
-    "mooncake": ExternalPeer("mooncake"),
-}
+}  # NIXL and Mooncake are measured beside ucx, as its baselines (kvbridge/bench/peers.py)
 
 STORE_OPS = ("save", "load", "sched_step")
 PEER_OPS = ("transfer", "sched_step")
@@ -312,11 +314,14 @@ class Measurer:
         self._base: dict[tuple[Any, ...], Timing | str] = {}
 
     def baseline(self, name: str, point: Point, op: str, env: Mapping[str, Any]) -> Timing | str:
-        """The baseline's timing, or why it could not be measured."""
-        key = (name, point.nbytes, op, tuple(sorted(env.items())) if name == "file" else ())
+        """The baseline's timing, or why it could not be measured. A point-aware one (a peer reading the
+        same request, :data:`kvbridge.bench.peers.POINT_BASELINES`) is measured per point."""
+        per_point = POINT_BASELINES.get(name)
+        size: Any = point if per_point else point.nbytes
+        key = (name, size, op, tuple(sorted(env.items())) if name == "file" else ())
         if key not in self._base:
             try:
-                self._base[key] = BASELINES[name](point.nbytes, op, env, self.reps)
+                self._base[key] = per_point(point, self.reps) if per_point else BASELINES[name](point.nbytes, op, env, self.reps)
             except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not raised
                 self._base[key] = f"baseline {name} not measured: {exc}"
         return self._base[key]
@@ -342,7 +347,7 @@ class Measurer:
                     ours,
                     b,
                     base if isinstance(base, Timing) else None,
-                    note=note or (base if isinstance(base, str) else ""),
+                    note=note or (base if isinstance(base, str) else getattr(base, "note", "")),
                 )
             )
         return out
