@@ -1132,10 +1132,19 @@ class UcxBackend(Backend):
 BACKEND = UcxBackend
 
 
+def describe() -> str:
+    """Which data path a consumer takes here (for ``kvbridge backends``)."""
+    mod, why = native.load()
+    if mod is None:
+        return f"data path: two-sided tag sends (one-sided unavailable: {why})"
+    return (f"data path: one-sided reads, {native.describe()}: cma on one host, else ucp GET with peer error "
+            "handling (lane option)")
+
+
 def conformance_target(tmp_path: Path) -> Target:
     """A producer and a consumer in this process, sharing its UCX runtime; addresses published under ``tmp_path``."""
     options = UcxOptions(registry_dir=str(Path(tmp_path) / "ucx-registry"), timeout_s=10.0)
     return Target(UcxBackend(options), UcxBackend(options))
 
 
-__all__ = ["BACKEND", "UcxBackend", "UcxOptions", "UcxScheduler", "UcxStats", "UcxWorker", "conformance_target"]
+__all__ = ["BACKEND", "UcxBackend", "UcxOptions", "UcxScheduler", "UcxStats", "UcxWorker", "conformance_target", "describe"]

@@ -28,6 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib
     import json
 
     from kvbridge import registry
@@ -35,7 +36,11 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for name, spec in registry.available().items():
         problem = registry.check(name)
-        rows.append({"name": name, "available": problem is None, "summary": spec.summary, "problem": problem})
+        row = {"name": name, "available": problem is None, "summary": spec.summary, "problem": problem}
+        if problem is None:  # a backend may say which of its paths is active here (ucx: one- or two-sided)
+            describe = getattr(importlib.import_module(spec.target.partition(":")[0]), "describe", None)
+            row["detail"] = describe() if callable(describe) else None
+        rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -43,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         state = "yes" if r["available"] else "no "
         line = f"{r['name']:<{width}}  {state}  {r['summary']}"
+        if r.get("detail"):
+            line += f"\n{'':<{width}}       {r['detail']}"
         if r["problem"]:
             line += f"\n{'':<{width}}       -> {r['problem']}"
         print(line)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -134,3 +135,12 @@ def test_producer_restarted_on_the_same_address(tmp_path: Path) -> None:
         old.close()
         if new is not None:
             new.close()
+
+
+def test_without_the_native_module_the_two_sided_path_says_so() -> None:
+    # an import that fails the way a wheel built without UCX headers does (the module is absent)
+    code = ("import sys; sys.modules['kvbridge._ucp'] = None\n"
+            "from kvbridge.connectors import ucx\nprint(ucx.describe())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "two-sided tag sends (one-sided unavailable: kvbridge._ucp is not importable" in out.stdout
