@@ -8,8 +8,10 @@ generated one after the other), ``watch`` (a directory: record the files each re
 ``publish`` (write ``{name: kv_transfer_params}`` there once the requests are done), ``params_from``
 (wait for such a file and send each request with its entry, or with the entry ``params_of`` names,
 updated by ``params_patch``), ``done`` (touch this file at the end),
-``hold`` (after the requests, keep stepping the engine until this file exists — a peer producer
-must outlive its consumer's pulls), ``corrupt_held`` (overwrite the KV blocks a peer producer holds
+``hold`` (after the requests, stay up until this file exists — a peer producer must outlive its
+consumer's pulls; the engine steps only while it has unfinished requests, so a producer is idle then),
+``batch`` (generate every request in one ``LLM.generate`` call, as vLLM's offline P/D pattern does; no
+per-request counters then), ``corrupt_held`` (overwrite the KV blocks a peer producer holds
 for these requests, before anyone pulls them: a transfer that no check can catch).
 
 OUT: per request its tokens, the logprob of each, ``num_cached_tokens``, ``kv_transfer_params``,
@@ -80,7 +82,11 @@ def main() -> None:
 
     published = _wait_json(spec["params_from"], spec.get("hold_s", 300)) if spec.get("params_from") else {}
     results = {}
-    for req in spec["requests"]:
+    if spec.get("batch"):
+        results = _batch(llm, spec["requests"], published)
+        for name in spec.get("corrupt_held", ()):
+            _corrupt_held(worker_conn, results[name]["kv_transfer_params"])
+    for req in [] if spec.get("batch") else spec["requests"]:
         if req.get("reset_cache"):
             llm.reset_prefix_cache()
         params = req.get("kv_transfer_params") or published.get(req.get("params_of", req["name"]))
@@ -124,6 +130,34 @@ def main() -> None:
     _write_json(sys.argv[2], {"results": results, "totals": totals(), "namespace": namespace, "init_s": t_init - t0})
     if spec.get("done"):
         open(spec["done"], "w").close()
+
+
+def _sampling(req: dict, published: dict):
+    from vllm import SamplingParams
+
+    params = req.get("kv_transfer_params") or published.get(req.get("params_of", req["name"]))
+    if params and req.get("params_patch"):
+        params = {**params, **req["params_patch"]}
+    extra = {"kv_transfer_params": params} if params else None
+    return SamplingParams(temperature=0, max_tokens=req.get("max_tokens", 8), ignore_eos=True, detokenize=False,
+                          logprobs=1, extra_args=extra)
+
+
+def _batch(llm, requests: list, published: dict) -> dict:
+    """Every request in one generate call; the engine goes idle when it returns."""
+    outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in requests], [_sampling(r, published) for r in requests],
+                        use_tqdm=False)
+    results = {}
+    for req, out in zip(requests, outs):
+        comp = out.outputs[0]
+        results[req["name"]] = {
+            "tokens": list(comp.token_ids),
+            "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids)],
+            "num_cached_tokens": out.num_cached_tokens,
+            "kv_transfer_params": out.kv_transfer_params,
+            "worker": {}, "scheduler": {},
+        }
+    return results
 
 
 def _write_json(path: str, data: object) -> None:
