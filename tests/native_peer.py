@@ -28,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bytes", type=int, required=True)
     ap.add_argument("--tls", default="")
+    ap.add_argument("--cuda", action="store_true", help="serve the pattern from GPU memory (tests/test_gpu.py)")
     args = ap.parse_args()
     from kvbridge import native
 
@@ -37,10 +38,17 @@ def main() -> None:
         sys.exit(1)
     buf = pattern(0, args.bytes // 8)
     ctx = ucp.Context(tls=args.tls or None, progress_thread=True)
-    region = ctx.map(buf.ctypes.data, buf.nbytes)
+    address = buf.ctypes.data
+    if args.cuda:
+        import torch
+
+        gpu = torch.from_numpy(buf.view(np.int64)).cuda()  # kept alive for the process
+        torch.cuda.synchronize()
+        address = gpu.data_ptr()
+    region = ctx.map(address, buf.nbytes, memory_type="cuda" if args.cuda else "host")
     info = {
         "pid": os.getpid(),
-        "address": buf.ctypes.data,
+        "address": address,
         "length": buf.nbytes,
         "rkey": region.rkey.hex(),
         "worker": ctx.address.hex(),

@@ -46,10 +46,11 @@ def main() -> None:
     ap.add_argument("--idle", action="store_true", help="no engine step after a prefill, nor between commands")
     ap.add_argument("--metadata-port", type=int, default=0)
     ap.add_argument("--lane", default="auto")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     options = UcxOptions(registry_dir=str(args.out / "registry"), lease_s=args.lease, timeout_s=5.0,
                          metadata_port=args.metadata_port, lane=args.lane)
-    engine = MiniEngine(UcxBackend(options), engine_id="producer", role="producer", num_blocks=args.num_blocks, seed=1,
+    engine = MiniEngine(UcxBackend(options), engine_id="producer", role="producer", num_blocks=args.num_blocks, seed=1, device=args.device,
                         **{**GEOMETRY, "num_layers": args.layers})
     if args.slow:
         gather, calls = engine.layout.gather, [0]

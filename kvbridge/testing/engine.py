@@ -105,12 +105,14 @@ class MiniEngine:
         kv_format: str = BLOCKS_FIRST,
         namespace: str = "mini",
         seed: int = 0,
+        device: str = "cpu",
     ):
         self.block_size = block_size
         if kv_format == BLOCKS_FIRST:  # one allocation, per-layer [B, H, N, 2D] views (vLLM >= 0.26)
-            base = torch.zeros(num_layers, num_blocks, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
+            shape: tuple[int, ...] = (num_layers, num_blocks, num_kv_heads, block_size, 2 * head_size)
         else:  # per-layer [2, B, N, H, D] (older vLLM)
-            base = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+            shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_size)
+        base = torch.zeros(shape, dtype=dtype, device=device)
         self.kv = {f"model.layers.{i}.self_attn": base[i] for i in range(num_layers)}
         self.layout = KVLayout.from_tensors(self.kv, block_size=block_size)
         self.info, self.scheduler, self.worker = open_engine(
@@ -135,8 +137,8 @@ class MiniEngine:
         self._free.extend(block_ids)
 
     def read(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """The bytes of ``block_ids`` in every layer, as ``[num_layers, n, block_bytes]``."""
-        return self.layout.gather(block_ids).clone()
+        """The bytes of ``block_ids`` in every layer, as ``[num_layers, n, block_bytes]`` (on the CPU)."""
+        return self.layout.gather(block_ids).cpu().clone()
 
     def expected(self, keys: Sequence[bytes]) -> torch.Tensor:
         """What the engine computes for blocks ``keys``: ``[num_layers, n, block_bytes]``."""
@@ -150,9 +152,10 @@ class MiniEngine:
         """Write the "computed" KV of ``keys`` into ``block_ids`` (a partial last block gets zeros)."""
         full = min(len(block_ids), len(keys))
         if full:
-            self.layout.scatter(block_ids[:full], self.expected(keys[:full]))
+            self.layout.scatter(block_ids[:full], self.expected(keys[:full]).to(self.layout.device))
         if len(block_ids) > full:
-            self.layout.scatter(block_ids[full:], torch.zeros(self.layout.num_layers, len(block_ids) - full, self.layout.block_bytes, dtype=torch.uint8))
+            self.layout.scatter(block_ids[full:], torch.zeros(self.layout.num_layers, len(block_ids) - full,
+                                                              self.layout.block_bytes, dtype=torch.uint8, device=self.layout.device))
 
     def pump(self) -> WorkerReport:
         """One idle engine step (:func:`idle_step`), then free the held blocks it released."""

@@ -1,0 +1,90 @@
+"""GPU paths, run only where CUDA is (``pytest -m gpu``; CI has no GPU, so they skip there).
+
+Prepared for a device machine (``bash .ci/gpu-check``): a CUDA KV cache through the layout's gather and
+scatter and through the stores, and a one-sided UCX GET from another process's GPU memory into this
+one's. Every transfer is compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvbridge
+from kvbridge.layout import KVLayout
+from kvbridge.testing import MiniEngine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")]
+PEER = Path(__file__).with_name("native_peer.py")
+
+
+def test_layout_moves_cuda_blocks_bit_exact() -> None:
+    cpu = torch.randint(-2**15, 2**15, (4, 64, 8, 16, 256), dtype=torch.int16).view(torch.bfloat16)
+    gpu = cpu.cuda()
+    a, b = KVLayout.from_tensors(list(cpu)), KVLayout.from_tensors(list(gpu))
+    ids = np.random.default_rng(0).permutation(64)[:20]
+    staged = b.gather(ids)
+    assert staged.is_cuda and torch.equal(staged.cpu(), a.gather(ids))
+    b.scatter(ids[::-1].copy(), staged)
+    a.scatter(ids[::-1].copy(), a.gather(ids))
+    assert torch.equal(gpu.cpu(), cpu)
+
+
+@pytest.mark.parametrize("name", ["memory", "cpu", "fs"])
+def test_stores_with_a_cuda_kv_cache(name: str, tmp_path: Path) -> None:
+    options = {"memory": {"name": "gpu"}, "cpu": {"capacity_bytes": 64 << 20}, "fs": {"path": str(tmp_path)}}[name]
+    backend = kvbridge.create_backend(name, options)
+    producer = MiniEngine(backend, engine_id="p", device="cuda")
+    consumer = MiniEngine(backend, engine_id="c", device="cuda", seed=3) if name != "cpu" else producer
+    tokens = list(range(16 * 6 + 3))
+    producer.prefill("r", tokens)
+    got = consumer.prefill("r2", tokens)
+    assert got.loaded_tokens == 96 and got.failed_blocks == []
+    assert torch.equal(got.snapshot[:, :6], consumer.expected(got.keys[:6]))
+    producer.close()
+    if consumer is not producer:
+        consumer.close()
+
+
+def test_native_get_from_gpu_memory_of_another_process() -> None:
+    from kvbridge import native
+
+    ucp, why = native.load()
+    if ucp is None:
+        pytest.skip(why)
+    nbytes = 64 << 20
+    peer = subprocess.Popen([sys.executable, str(PEER), "--bytes", str(nbytes), "--cuda"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout is not None
+        info = json.loads(peer.stdout.readline())
+        local = torch.zeros(nbytes // 8, dtype=torch.int64, device="cuda")
+        ctx = ucp.Context(progress_thread=True)
+        ep = ctx.connect(bytes.fromhex(info["worker"]))
+        key = ep.add_rkey(bytes.fromhex(info["rkey"]))
+        n, size = 1024, 64 << 10  # scattered 64 KiB pieces
+        order = np.random.default_rng(1).permutation(nbytes // size)[:n].astype(np.uint64)
+        remote = np.uint64(info["address"]) + order * np.uint64(size)
+        dest = np.uint64(local.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(size)
+        lengths = np.full(n, size, dtype=np.uint64)
+        import time
+
+        t0 = time.perf_counter()
+        moved = ep.get(remote, dest, lengths, key, 30.0)
+        dt = time.perf_counter() - t0
+        print(f"\nGET of {n} x 64 KiB from another process's GPU memory: {moved / dt / 1e9:.2f} GB/s\n{ep.info()}")
+        words = size // 8
+        want = np.concatenate([(np.arange(int(o) * words, (int(o) + 1) * words, dtype=np.uint64)
+                                * np.uint64(0x9E3779B97F4A7C15)) for o in order])
+        assert np.array_equal(local.cpu().numpy().view(np.uint64)[: n * words], want)
+        ep.close()
+        ctx.close()
+    finally:
+        peer.kill()
+        peer.wait()
