@@ -116,7 +116,8 @@ def _nixl_agent(name: str, spec: dict[str, Any]) -> Any:
 
 
 def serve(spec: dict[str, Any]) -> None:
-    pool = pattern(spec)
+    # producer_seed: only tests set it, to prove a consumer that gets other bytes than it expects fails
+    pool = pattern({**spec, "seed": spec.get("producer_seed", spec["seed"])})
     base = int(pool.ctypes.data)
     info: dict[str, Any] = {"pid": os.getpid(), "base": base}
     keep: list[Any] = []

@@ -196,21 +196,26 @@ def measure(name: str, point: Point, reps: int, *, warmup: int = 1, timeout_s: f
 
     Raises :class:`~kvbridge.bench.baselines.Unavailable` (the row's "not measured: ...") when it
     cannot run here or moved wrong bytes."""
-    peer = PEERS[name]
-    why = peer.missing()
+    why = PEERS[name].missing()
     if why:
         raise Unavailable(why)
-    s = spec(name, point, reps, warmup=warmup, timeout_s=timeout_s)
+    return run_spec(spec(name, point, reps, warmup=warmup, timeout_s=timeout_s))
+
+
+def run_spec(s: dict[str, Any]) -> PeerTiming:
+    """Start the producer and the consumer of spec ``s`` (from :func:`spec`), relay the producer's
+    address line, and return the consumer's timings."""
+    name = s["name"]
     env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
     env.pop("UCX_TLS", None)  # the bench's own UCX runtime may have set it; each row names its lane
-    if peer.tls:
-        env["UCX_TLS"] = peer.tls
+    if s["tls"]:
+        env["UCX_TLS"] = s["tls"]
     prod = _Child("serve", s, env)
     cons = _Child("read", s, env)
     try:
         start = 60.0
         cons.say(prod.line(start, f"{name} producer"))
-        out = cons.line(start + timeout_s * (reps + warmup), f"{name} consumer")
+        out = cons.line(start + s["timeout_s"] * (s["reps"] + s["warmup"]), f"{name} consumer")
         return PeerTiming(tuple(float(v) for v in out["samples"]), str(out.get("note", "")))
     finally:
         cons.close()
@@ -267,4 +272,4 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["PEERS", "POINT_BASELINES", "UCX_PEERS", "Peer", "PeerTiming", "baseline", "measure", "spec"]
+__all__ = ["PEERS", "POINT_BASELINES", "UCX_PEERS", "Peer", "PeerTiming", "baseline", "measure", "run_spec", "spec"]
