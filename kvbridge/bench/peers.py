@@ -216,7 +216,7 @@ def run_spec(s: dict[str, Any]) -> PeerTiming:
         start = 60.0
         cons.say(prod.line(start, f"{name} producer"))
         out = cons.line(start + s["timeout_s"] * (s["reps"] + s["warmup"]), f"{name} consumer")
-        return PeerTiming(tuple(float(v) for v in out["samples"]), str(out.get("note", "")))
+        return PeerTiming(tuple(float(v) for v in out["samples"]), f"{name}: {out.get('note', '')}")
     finally:
         cons.close()
         prod.close()
@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 t = measure(name, point, args.reps)
                 rows.append({"peer": name, "tokens": tokens, "bytes": point.nbytes, "median_s": t.median,
                              "gbps": point.nbytes / t.median / 1e9, "best_gbps": point.nbytes / min(t.samples) / 1e9,
-                             "samples": list(t.samples), "note": t.note, "load1": load})  # fmt: skip
+                             "samples": list(t.samples), "note": t.note.removeprefix(f"{name}: "), "load1": load})  # fmt: skip
             except Unavailable as exc:
                 rows.append({"peer": name, "tokens": tokens, "bytes": point.nbytes, "median_s": None, "gbps": None,
                              "note": f"not measured: {exc}", "load1": load})  # fmt: skip
