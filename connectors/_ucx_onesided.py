@@ -40,6 +40,8 @@ TLS when configured) and named a request its own scheduler handed off (a valid g
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -128,7 +130,20 @@ def context(tls: str) -> Any:
     with _CTX_LOCK:
         if _CTX is None:
             _CTX = mod.Context(tls=tls or None, progress_thread=True)
+            # stop its progress thread and free UCX state before the interpreter (and ucxx) goes away
+            atexit.register(_close_context)
         return _CTX
+
+
+def _close_context() -> None:
+    global _CTX
+    with _CTX_LOCK:
+        ctx, _CTX = _CTX, None
+    if ctx is not None:
+        try:
+            ctx.close()
+        except Exception as exc:  # noqa: BLE001 - at exit: say it, never raise
+            log.warning("closing the native UCX context at exit: %s", exc)
 
 
 def _memory_type(layout: KVLayout) -> str:
@@ -169,7 +184,8 @@ class Exporter:
 
     def close(self) -> None:
         for region in self._regions:
-            region.close()
+            with contextlib.suppress(ValueError):  # its context closed first (at exit): already unmapped
+                region.close()
         self._regions = []
 
 
@@ -187,7 +203,8 @@ class Source:
 
     def close(self) -> None:
         if self.ep is not None:
-            self.ep.close(force=True)
+            with contextlib.suppress(ValueError):  # its context closed first (at exit)
+                self.ep.close(force=True)
             self.ep = None
 
 

@@ -398,6 +398,10 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])  # closed again on return: nothing listens there
 
 
+def _miss(consumer: MiniEngine, params: dict[str, Any]) -> bool:
+    return consumer.scheduler.lookup(consumer.request("probe", _tokens(100, 0), params), 0).num_tokens == 0
+
+
 def test_hostile_params_reaching_the_producer_fail_those_blocks_fast(tmp_path: Path, live: Peer) -> None:
     """Well-formed but wrong params: block ids the producer does not have (it refuses the pull), too few
     block ids for num_tokens (capped: the named blocks load bit-exact), a closed metadata port
@@ -408,12 +412,16 @@ def test_hostile_params_reaching_the_producer_fail_those_blocks_fast(tmp_path: P
         sent = live.prefill(("h-range", 100, 9), ("h-short", 100, 10), ("h-closed", 100, 11))
         before = live.state()["stats"]["refused_pulls"]
         bad = dict(sent["h-range"], block_ids=[10**6, *sent["h-range"]["block_ids"][1:]])
+        assert _miss(consumer, bad)  # the producer's grant names other ids: refused at lookup already
+        del bad["grant"]  # without it, the params reach the producer, whose own checks must hold
         ids, report, elapsed = _load_only(consumer, "h-range-c", _tokens(100, 9), bad)
         assert report.failed_blocks == set(ids[:6]) and elapsed < DEAD_PEER_S and not consumer.read(ids).any()
         assert live.state()["stats"]["refused_pulls"] == before + 1
         live.wait_freed("h-range", 5)  # the consumer's aborted release frees the real request at once
 
         short = dict(sent["h-short"], block_ids=sent["h-short"]["block_ids"][:2])  # num_tokens still says 96
+        assert _miss(consumer, short)
+        del short["grant"]
         ids, report, elapsed = _load_only(consumer, "h-short-c", _tokens(100, 10), short)
         assert report.failed_blocks == frozenset()
         keys = consumer.request("x", _tokens(100, 10)).block_keys
