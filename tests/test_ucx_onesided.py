@@ -9,6 +9,7 @@ on the way, a producer restarted on the same address.
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import socket
 import subprocess
@@ -26,8 +27,18 @@ from kvbridge import native  # noqa: E402
 if native.load()[0] is None:
     pytest.skip(f"native one-sided module: {native.load()[1]}", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_ucx import Producer, _consumer, _load_only, _tokens  # noqa: E402
+
+def _sibling(name: str) -> Any:
+    # by file path: putting tests/ on sys.path would make tests/vllm look like an installed vLLM
+    spec = importlib.util.spec_from_file_location(f"kvbridge_tests_{name}", Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_kit = _sibling("test_ucx")
+Producer, _consumer, _load_only, _tokens = _kit.Producer, _kit._consumer, _kit._load_only, _kit._tokens
 
 from kvbridge.testing import MiniEngine  # noqa: E402
 
