@@ -22,7 +22,10 @@ so ``ratio`` is ucx/peer in throughput):
 - ``ucp-get:tcp``, ``ucp-get:sm``: one ucp GET of the request's bytes as *one buffer* through
   ``kvbridge._ucp`` (producer ``Context(progress_thread=True)``, local memory mapped), over UCX's tcp with
   peer error handling (the ``ucp`` lane's medium), and over UCX's shared-memory transports with error
-  handling off (UCX then reads with cma; the ``ucp-unsafe`` lane). The note names the lanes UCX chose.
+  handling off (UCX then reads with cma; the ``ucp-unsafe`` lane). The note names the lanes UCX chose. With
+  peer error handling UCX 1.21 offers no shared-memory lane between two processes (``sm`` alone is
+  unreachable, ``tcp,sm`` picks tcp), and its tcp has no ``rma_bw`` lane: a GET over tcp is emulated with
+  active messages that the producer's progress thread answers.
 - ``nixl:tcp``, ``nixl:tcp+pt``, ``nixl:sm``, ``nixl:sm+pt``: NIXL's one-sided READ of the same scattered
   descriptors (UCX backend; ``initialize_xfer`` + ``transfer`` + ``check_xfer_state`` timed, descriptor
   lists built before), the same ``UCX_TLS`` and error-handling mode as the ucp rows, with NIXL's
