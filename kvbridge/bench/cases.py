@@ -384,18 +384,21 @@ class Measurer:
                 ops = ("transfer",) if peer else ("save", "load")
                 pair = Pair(target, point)
                 env = medium_env(target, tmp)
+                timed: list[tuple[str, Timing | None, str]] = []
                 try:
                     for op in ops:
                         self.progress.step(f"{name} {op} {point.label()}")
                         try:
                             case = save_case(pair) if op == "save" else load_case(pair, peer=peer)
-                            ours = case.time(self.reps)
-                            note = ""
+                            timed.append((op, case.time(self.reps), ""))
                         except Exception as exc:  # noqa: BLE001 - one failing case is a row, not a crash
-                            ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
-                        records += self._records(name, op, point, ours, spec.baselines, env, note)
+                            timed.append((op, None, f"not measured: {type(exc).__name__}: {exc}"))
                 finally:
                     pair.close()
+                # baselines right after, with the backend's engines closed: their threads (a spinning one
+                # costs a core of two) must not slow the raw medium or a peer down
+                for op, ours, note in timed:
+                    records += self._records(name, op, point, ours, spec.baselines, env, note)
         except Exception as exc:  # noqa: BLE001 - the backend would not start
             records += _not_measured(name, "-", point, spec.baselines, f"{type(exc).__name__}: {exc}")
         return records
