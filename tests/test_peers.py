@@ -77,3 +77,17 @@ def test_peers_are_baselines_of_ucx_and_missing_ones_say_why(monkeypatch):
     monkeypatch.setattr(peers.Peer, "missing", lambda self: "not installed here")
     base = Measurer(1).baseline("nixl:tcp", SMALL, "transfer", {})
     assert base == "baseline nixl:tcp not measured: not installed here"
+
+
+def test_ctypes_fallback_reads_merged_descriptors():
+    """The cma row's fallback without kvbridge._ucp: process_vm_readv of this process, adjacent runs merged."""
+    import os
+
+    src = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    blocks = np.array([3, 4, 5, 0, 9, 2], dtype=np.uint64)  # 3-4-5 merge into one iovec
+    remote = np.uint64(src.ctypes.data) + blocks * np.uint64(4096)
+    local = np.uint64(dst.ctypes.data) + np.arange(6, dtype=np.uint64) * np.uint64(4096)
+    child._ctypes_pvr(os.getpid(), remote, local, np.full(6, 4096, dtype=np.uint64))()
+    want = np.concatenate([src[int(b) * 4096 : (int(b) + 1) * 4096] for b in blocks])
+    assert np.array_equal(dst[: 6 * 4096], want)

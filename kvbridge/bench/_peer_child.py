@@ -115,6 +115,15 @@ def _nixl_agent(name: str, spec: dict[str, Any]) -> Any:
     return agent
 
 
+def _mooncake_engine() -> Any:
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        hint = " (apt-get install libibverbs1)" if "ibverbs" in str(exc) else ""
+        raise SystemExit(f"mooncake.engine does not import: {exc}{hint}") from None
+    return TransferEngine()
+
+
 def serve(spec: dict[str, Any]) -> None:
     # producer_seed: only tests set it, to prove a consumer that gets other bytes than it expects fails
     pool = pattern({**spec, "seed": spec.get("producer_seed", spec["seed"])})
@@ -141,9 +150,7 @@ def serve(spec: dict[str, Any]) -> None:
         if not spec["progress_thread"]:
             pump = agent.get_new_notifs  # without its thread, NIXL's UCX worker moves only when called
     elif system == "mooncake":
-        from mooncake.engine import TransferEngine
-
-        engine = TransferEngine()
+        engine = _mooncake_engine()
         if engine.initialize("127.0.0.1", "P2PHANDSHAKE", spec.get("protocol", "tcp"), "") != 0:
             raise SystemExit("mooncake TransferEngine.initialize failed")
         if engine.register_memory(base, pool.nbytes) != 0:
@@ -295,9 +302,7 @@ def _has_dist(name: str) -> bool:
 def _mooncake(spec: dict[str, Any], peer: dict[str, Any], local: np.ndarray, keep: list[Any]) -> tuple[Callable[[], object], str]:
     from importlib import metadata
 
-    from mooncake.engine import TransferEngine
-
-    engine = TransferEngine()
+    engine = _mooncake_engine()
     if engine.initialize("127.0.0.1", "P2PHANDSHAKE", spec.get("protocol", "tcp"), "") != 0:
         raise SystemExit("mooncake TransferEngine.initialize failed")
     if engine.register_memory(int(local.ctypes.data), local.nbytes) != 0:
