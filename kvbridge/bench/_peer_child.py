@@ -270,9 +270,18 @@ def _nixl_read(spec: dict[str, Any], peer: dict[str, Any], local: np.ndarray, ke
     keep += [agent, rdescs, ldescs]
     timeout = float(spec["timeout_s"])
     agent.make_connection(name)
+    prepped = spec.get("nixl_mode", "init") == "prepped"
+    if prepped:  # what vLLM's NixlConnector does: descriptor lists prepared once, a transfer picks by index
+        lside = agent.prep_xfer_dlist("NIXL_INIT_AGENT", ldescs)
+        rside = agent.prep_xfer_dlist(name, rdescs)
+        index = np.arange(len(remote), dtype=np.int32)
+        keep += [lside, rside]
 
     def read() -> None:
-        handle = agent.initialize_xfer("READ", ldescs, rdescs, name)
+        if prepped:
+            handle = agent.make_prepped_xfer("READ", lside, index, rside, index)
+        else:
+            handle = agent.initialize_xfer("READ", ldescs, rdescs, name)
         state = agent.transfer(handle)
         deadline = time.perf_counter() + timeout
         while state == "PROC":

@@ -30,6 +30,8 @@ so ``ratio`` is ucx/peer in throughput):
   descriptors (UCX backend; ``initialize_xfer`` + ``transfer`` + ``check_xfer_state`` timed, descriptor
   lists built before), the same ``UCX_TLS`` and error-handling mode as the ucp rows, with NIXL's
   progress thread off (the producer then polls ``get_new_notifs`` in a loop, as NIXL needs) and on.
+  (``nixl_mode="prepped"`` in a :func:`spec` times ``make_prepped_xfer`` over lists prepared once, as
+  vLLM's NixlConnector does; on this machine it measured the same as ``initialize_xfer``.)
 - ``mooncake:tcp``: Mooncake's transfer engine, ``batch_transfer_sync_read`` of the same descriptors over
   its TCP transport (P2P handshake, no metadata server). ``mooncake-transfer-engine-non-cuda`` needs
   Debian's ``libibverbs1`` even for TCP.
