@@ -262,10 +262,10 @@ def _probe(pid: int, probe: bytes) -> bool:
     return got.tobytes() == want
 
 
-def read(src: Source, layout: KVLayout, remote_ids: np.ndarray, local_ids: np.ndarray, timeout_s: float) -> int:
-    """Read blocks ``remote_ids`` of ``src`` into the local blocks ``local_ids``, every layer, in one batch.
-    Raises on any failure (the caller counts nothing as loaded then)."""
-    mine = layout.addressing()
+def read(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.ndarray, local_ids: np.ndarray,
+         timeout_s: float) -> int:
+    """Read blocks ``remote_ids`` of ``src`` into the local blocks ``local_ids`` (``mine``: ``layout``'s
+    addressing), every layer, in one batch. Raises on any failure (the caller counts nothing as loaded then)."""
     layout.check_ids(local_ids)
     # only addresses inside the producer's KV: over tcp its UCX serves whatever address it is asked for
     if len(remote_ids) and (int(remote_ids.min()) < 0 or int(remote_ids.max()) >= src.num_blocks):

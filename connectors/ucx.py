@@ -578,7 +578,7 @@ class _Server:
                 self._finished.add(request_id)
             if not done_before:
                 self._mark_done(request_id, reported=handed_off)
-        held = handed_off and expires is not None and now <= expires
+        held = expires is not None and not done_before and now <= expires
         if not held and not aborted:
             self.stats.add(refused_pulls=1)
             log.info("%s: %s released by %s was not held throughout (%s)", self.engine.engine_id, request_id, engine_id,
@@ -786,6 +786,7 @@ class _Puller:
     def __init__(self, options: UcxOptions, engine: EngineInfo, layout: KVLayout, rt: rtmod.Runtime, stats: UcxStats):
         self.options, self.engine, self.layout, self.rt, self.stats = options, engine, layout, rt, stats
         self.info = PeerInfo(engine.engine_id, engine.rank, layout.fingerprint, {WORKER_ADDRESS: rt.worker_address})
+        self.addressing = layout.addressing()  # where our blocks live, for one-sided reads into them
         self._peers: dict[str, _Peer] = {}
         self._staging = _StagingPool(layout, _LOAD_THREADS * options.max_inflight)
         self._peer_locks: collections.defaultdict[str, threading.Lock] = collections.defaultdict(threading.Lock)
@@ -841,23 +842,17 @@ class _Puller:
     def load(self, op: BlockLoad) -> set[int]:
         """Pull ``op``; return the local block ids that did not arrive. Never raises."""
         src = op.source or {}
+        address = ""
         try:
             address = self._address(src)
             peer = self._peer(address, src)
         except Exception as exc:  # noqa: BLE001 - every failure is a failed block, recomputed by the engine
             self._log_failure(op, src, 0, exc)
-            address = self._address_or_empty(src)
-            self._release(address, src, ok=False)
+            self._release(address, src, ok=False)  # no address: nobody to release to
             return set(op.block_ids)
         if peer.source is not None:
             return self._read(address, peer, op, src)
         return self._pull_two_sided(address, peer, op, src)
-
-    def _address_or_empty(self, src: Mapping[str, Any]) -> str:
-        try:
-            return self._address(src)
-        except Exception:  # noqa: BLE001 - no address: nobody to release to
-            return ""
 
     def _log_failure(self, op: BlockLoad, src: Mapping[str, Any], arrived: int, exc: Exception) -> None:
         log.log(logging.WARNING if isinstance(exc, KVBridgeError) else logging.ERROR,
@@ -892,12 +887,13 @@ class _Puller:
                 raise ProtocolError(f"transfer params of {rid} carry no grant: a one-sided read needs one")
             if float(src.get("expires_at", 0.0)) < time.time():
                 raise ProtocolError(f"the lease of {rid} at {src['engine_id']} is over")
-            onesided.read(peer.source, self.layout, remote, np.asarray(op.block_ids, dtype=np.int64), self.options.timeout_s)
+            onesided.read(peer.source, self.layout, self.addressing, remote, np.asarray(op.block_ids, dtype=np.int64),
+                          self.options.timeout_s)
         except Exception as exc:  # noqa: BLE001 - nothing counts; the producer frees its blocks
             log.warning("%s: one-sided read of %s from %s (%s) failed: %s: %s", self.engine.engine_id, op.request_id,
                         src.get("engine_id"), peer.source.lane, type(exc).__name__, exc)
             self._drop(address)  # a dead or restarted producer: handshake anew next time
-            self._release_quietly(peer.client, rid, grant, aborted=True)
+            self._release(address, src, ok=False)
             return set(op.block_ids)
         try:
             held = peer.client.release(self.engine.engine_id, rid, aborted=False, grant=grant)
@@ -912,12 +908,6 @@ class _Puller:
         nbytes = len(op.block_ids) * self.layout.num_layers * self.layout.block_bytes
         self.stats.add(load_bytes=nbytes, load_blocks=len(op.block_ids), load_seconds=time.perf_counter() - t0)
         return set()
-
-    def _release_quietly(self, client: MetadataClient, rid: str, grant: bytes, *, aborted: bool) -> None:
-        try:
-            client.release(self.engine.engine_id, rid, aborted=aborted, grant=grant)
-        except KVBridgeError as exc:  # the producer's lease frees the blocks instead
-            log.info("%s: release of %s failed: %s", self.engine.engine_id, rid, exc)
 
     def _release(self, address: str, src: Mapping[str, Any], *, ok: bool) -> None:
         rid = src.get("remote_request_id")

@@ -89,6 +89,13 @@ def test_altered_block_ids_count_nothing(tmp_path: Path) -> None:
         p.close()
 
 
+def _assert_all_fail_in_time(consumer: MiniEngine, rid: str, seed: int, params: dict[str, Any]) -> None:
+    t0 = time.monotonic()
+    ids, report = _load_only(consumer, rid, _tokens(200, seed), params, timeout=30)
+    assert report.failed_blocks == set(ids[:12])
+    assert time.monotonic() - t0 < TIMEOUT_S + 3
+
+
 def test_stopped_then_killed_producer_confirms_nothing(tmp_path: Path) -> None:
     p = Producer(tmp_path / "p", "--idle", "--num-blocks", "40")
     consumer = _consumer(tmp_path, timeout_s=TIMEOUT_S)
@@ -96,15 +103,10 @@ def test_stopped_then_killed_producer_confirms_nothing(tmp_path: Path) -> None:
         first, second = p.prefill("one", 200, seed=13), p.prefill("two", 200, seed=14)
         assert consumer.prefill("one-c", _tokens(200, 13), first).failed_blocks == []  # handshake done
         p.proc.send_signal(signal.SIGSTOP)  # memory stays readable; nobody confirms the hold
-        t0 = time.monotonic()
-        ids, report = _load_only(consumer, "two-c", _tokens(200, 14), second, timeout=30)
-        assert report.failed_blocks == set(ids[:12])
-        assert time.monotonic() - t0 < TIMEOUT_S + 3
+        _assert_all_fail_in_time(consumer, "two-c", 14, second)
         p.proc.kill()
         p.proc.wait()
-        t0 = time.monotonic()
-        ids, report = _load_only(consumer, "two-d", _tokens(200, 14), second, timeout=30)
-        assert report.failed_blocks == set(ids[:12]) and time.monotonic() - t0 < TIMEOUT_S + 3
+        _assert_all_fail_in_time(consumer, "two-d", 14, second)
     finally:
         consumer.close()
         p.close()

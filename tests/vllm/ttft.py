@@ -1,6 +1,6 @@
 """Measure time to first token of a consumer that loads the prompt's KV (fs) vs one that recomputes it.
 
-    /work/venvs/vllm/bin/python tests/vllm/ttft.py [--prompts 8] [--tokens 400] [--workdir DIR] [--multiprocess]
+    .venv-vllm/bin/python tests/vllm/ttft.py [--prompts 8] [--tokens 400] [--workdir DIR] [--multiprocess]
 
 A producer engine prefills every prompt into an fs store; then, one engine after the other (never
 two at once, so they do not compete for cores), a consumer engine with the fs connector and a plain
