@@ -11,10 +11,10 @@ Semantics:
   only in ``fs`` make a prefix of 8).
 - **Loads**: every block comes from the first (fastest) tier that holds it; should that tier fail,
   from the next one holding it. Every tier holding a block reserves it, so the plan carries, per
-  tier, the positions it holds and that tier's own reservation (``BlockLoad.source`` =
-  ``{"tiers": ((tier, positions, source), ...), "promote": ((tier, positions, target), ...)}``).
+  tier, the positions it holds and that tier's own reservation (``BlockLoad.source`` is a
+  :class:`ChainLoad`; a save's target a :class:`ChainSave`).
 - **Promotion** (``promote``, default on): a block served by a slower tier is saved into every
-  faster tier from the KV right after the load, on the load thread. That is safe: the blocks belong
+  faster tier from the KV right after the load, on the IO thread. That is safe: the blocks belong
   to a request that waits for the load and nothing reads or overwrites them until it is reported.
   Slots in the faster tier are reserved on the scheduler side with the load. A tier whose
   reservation names its own placement (``target`` not ``None``, as ``cpu``'s slots) is promoted into
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvbridge import registry
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
@@ -39,11 +39,12 @@ from kvbridge.errors import ConfigError, TransferError
 from kvbridge.layout import KVLayout, coalesce
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
-from kvbridge.store import BlockStore, StoreBackend
+from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 from kvbridge.testing.engine import Target
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+S = TypeVar("S", StoreIndex, StoreIO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,15 +77,34 @@ class ChainStats(TransferStats):
 _FAILED: Any = object()  # what a tier call that raised returns
 
 
-class ChainStore(BlockStore):
-    """One side of every tier, composed; ``tiers[i]`` is tier ``i``'s own store (fastest first)."""
+TierShare = tuple[int, tuple[int, ...], Any]  # (tier, positions in the op, that tier's own payload)
 
-    def __init__(self, engine: EngineInfo, tiers: Sequence[BlockStore], names: Sequence[str], promote: bool):
-        super().__init__(engine)
-        self.stats: ChainStats = ChainStats()
+
+@dataclasses.dataclass(frozen=True)
+class ChainLoad:
+    """``BlockLoad.source`` of a chain: per tier holding blocks, its share; per faster tier, the
+    positions to promote into it and its reservation."""
+
+    tiers: tuple[TierShare, ...] = ()
+    promote: tuple[TierShare, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainSave:
+    """``BlockSave.target`` of a chain: per tier, the positions it takes and its own target."""
+
+    tiers: tuple[TierShare, ...] = ()
+
+
+class _Tiers(Generic[S]):
+    """One side of every tier, composed; ``tiers[i]`` is tier ``i``'s own handle (fastest first)."""
+
+    stats: ChainStats
+
+    def __init__(self, tiers: Sequence[S], names: Sequence[str]):
+        self.stats = ChainStats()
         self.tiers = list(tiers)
         self.names = list(names)
-        self.promote = promote
         self._warned: set[tuple[int, str]] = set()
 
     def _call(self, tier: int, what: str, fn: Callable[..., T], *args: Any) -> T:
@@ -98,7 +118,19 @@ class ChainStore(BlockStore):
             log.log(level, "chain: tier %d (%s) failed in %s: %s", tier, self.names[tier], what, exc)
             return _FAILED  # type: ignore[no-any-return]
 
-    # -- scheduler side ---------------------------------------------------------------------------
+    def close(self) -> None:
+        for t, tier in enumerate(self.tiers):
+            self._call(t, "close", tier.close)
+
+
+class ChainIndex(_Tiers[StoreIndex], StoreIndex):
+    """Scheduler side: every tier's index."""
+
+    def __init__(self, engine: EngineInfo, tiers: Sequence[StoreIndex], names: Sequence[str], promote: bool):
+        StoreIndex.__init__(self, engine)
+        _Tiers.__init__(self, tiers, names)
+        self.promote = promote
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         pos, dead = 0, set()
         advanced = True
@@ -127,7 +159,7 @@ class ChainStore(BlockStore):
                 i += m + 1
         return out
 
-    def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> Mapping[str, Any]:
+    def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> ChainLoad:
         everything = list(range(len(keys)))
         loads, first = [], dict[int, int]()  # first: position -> the fastest tier that reserved it
         for t, tier in enumerate(self.tiers):
@@ -153,9 +185,9 @@ class ChainStore(BlockStore):
             chosen, target = reserved
             if len(chosen):
                 promote.append((f, tuple(slower[i] for i in chosen), target))
-        return {"tiers": tuple(loads), "promote": tuple(promote)}
+        return ChainLoad(tuple(loads), tuple(promote))
 
-    def reserve_save(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], Mapping[str, Any] | None]:
+    def reserve_save(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], ChainSave]:
         per_tier = []
         for t, tier in enumerate(self.tiers):
             reserved = self._call(t, "reserve_save", tier.reserve_save, request_id, keys)
@@ -164,18 +196,25 @@ class ChainStore(BlockStore):
         union = sorted({i for _, chosen, _ in per_tier for i in chosen})
         at = {p: i for i, p in enumerate(union)}  # the plan's save holds only the union, in order
         plan = tuple((t, tuple(at[p] for p in chosen), target) for t, chosen, target in per_tier if chosen)
-        return union, {"tiers": plan}
+        return union, ChainSave(plan)
 
-    def release(self, request_id: str, *, loaded: bool = True, failed: Sequence[bytes] = ()) -> None:
+    def release(self, request_id: str, failed: Sequence[bytes] = ()) -> None:
         for t, tier in enumerate(self.tiers):
-            self._call(t, "release", lambda s=tier: s.release(request_id, loaded=loaded, failed=failed))
+            self._call(t, "release", tier.release, request_id, failed)
 
-    # -- worker side ------------------------------------------------------------------------------
+
+class ChainIO(_Tiers[StoreIO], StoreIO):
+    """Worker side: every tier's IO."""
+
+    def __init__(self, engine: EngineInfo, tiers: Sequence[StoreIO], names: Sequence[str]):
+        StoreIO.__init__(self, engine)
+        _Tiers.__init__(self, tiers, names)
+
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
-        source = op.source or {}
+        source = op.source if isinstance(op.source, ChainLoad) else ChainLoad()
         need = set(range(len(op.block_ids)))  # positions not yet in the KV
         slot_bytes = layout.num_layers * layout.block_bytes
-        for t, positions, tier_source in source.get("tiers", ()):
+        for t, positions, tier_source in source.tiers:
             todo = [i for i in positions if i in need]
             if not todo:
                 continue
@@ -191,7 +230,7 @@ class ChainStore(BlockStore):
             self.tiers[t].stats.add(
                 loads=1, load_blocks=len(arrived), load_bytes=len(arrived) * slot_bytes, failed_blocks=len(bad)
             )
-        for f, positions, target in source.get("promote", ()):
+        for f, positions, target in source.promote:
             keep = [i for i in positions if i not in need]
             if len(keep) < len(positions) and target is not None:
                 continue  # the tier placed every block itself: all or nothing
@@ -205,7 +244,7 @@ class ChainStore(BlockStore):
         return [b for i, b in enumerate(op.block_ids) if i in need]
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
-        plan = (op.target or {}).get("tiers", ())
+        plan = op.target.tiers if isinstance(op.target, ChainSave) else ()
         stored = False
         for t, positions, target in plan:
             sub = BlockSave(
@@ -224,10 +263,6 @@ class ChainStore(BlockStore):
     def attach(self, layout: KVLayout) -> None:
         for tier in self.tiers:  # a tier that cannot take this layout is a start-up error, not degraded
             tier.attach(layout)
-
-    def close(self) -> None:
-        for t, tier in enumerate(self.tiers):
-            self._call(t, "close", tier.close)
 
 
 class ChainBackend(StoreBackend):
@@ -249,16 +284,23 @@ class ChainBackend(StoreBackend):
                 raise ConfigError(f"chain tier {i}: {name!r} is a {backend.kind} backend; a chain tier must be a store")
             self.tiers.append(backend)
 
-    def open_store(self, engine: EngineInfo, side: str) -> ChainStore:
-        stores: list[BlockStore] = []
+    def _open_each(self, opener: Callable[[StoreBackend], S]) -> list[S]:
+        opened: list[S] = []
         try:
             for tier in self.tiers:
-                stores.append(tier.open_store(engine, side))
+                opened.append(opener(tier))
         except BaseException:
-            for store in stores:
-                store.close()
+            for handle in opened:
+                handle.close()
             raise
-        return ChainStore(engine, stores, [t.name for t in self.tiers], self.options.promote)
+        return opened
+
+    def open_index(self, engine: EngineInfo) -> ChainIndex:
+        names = [t.name for t in self.tiers]
+        return ChainIndex(engine, self._open_each(lambda t: t.open_index(engine)), names, self.options.promote)
+
+    def open_io(self, engine: EngineInfo) -> ChainIO:
+        return ChainIO(engine, self._open_each(lambda t: t.open_io(engine)), [t.name for t in self.tiers])
 
 
 def conformance_target(tmp_path: object) -> Target:

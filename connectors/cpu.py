@@ -5,9 +5,9 @@ slot_bytes`` fixed-size *slots* — a uint8 tensor ``[num_layers, num_slots, blo
 when the KV lives on a GPU — where one slot holds one block in every layer. The pool never grows.
 
 The *index* (key -> slot, recency order, pins) lives on the scheduler side (:class:`CpuIndex`), which
-has no KV tensors but must answer :meth:`~kvbridge.store.BlockStore.contains_prefix`. It assigns
+has no KV tensors but must answer :meth:`~kvbridge.store.StoreIndex.contains_prefix`. It assigns
 slots in :meth:`~CpuIndex.reserve_save` and looks them up in :meth:`~CpuIndex.reserve_load`; the slot
-ids travel to the worker in ``BlockSave.target`` / ``BlockLoad.source`` as ``{"slots": (...)}``.
+ids travel to the worker in ``BlockSave.target`` / ``BlockLoad.source`` as :class:`CpuSlots`.
 Both sides must agree on the slot count, so both derive it from ``capacity_bytes`` and the bytes
 of one block across all layers (``slot_bytes``), which the scheduler learns from
 ``EngineInfo.block_bytes`` (filled in by the engine adapter) or, failing that, from the
@@ -16,8 +16,8 @@ of one block across all layers (``slot_bytes``), which the scheduler learns from
 Semantics:
 
 - A slot is *pinned* from its reservation until :meth:`~CpuIndex.release` of the request: slots a
-  load reads until the load is reported, slots a save writes until the request ends (the scheduler
-  learns of no save completion earlier). Pinned slots are never evicted.
+  load reads until the load is reported, slots a save writes until the request ends and the worker
+  reports its saves over. Pinned slots are never evicted.
 - When no slot is free, the least recently used unpinned one is evicted (``eviction="lru"``; with
   ``"fifo"`` a hit does not refresh an entry). When nothing can be evicted, the save of those blocks
   is skipped and counted in ``stats.skipped_saves`` — never an error for the request.
@@ -25,8 +25,8 @@ Semantics:
   whose slot does not carry the expected key (a failed or skipped write) is a failed block, so
   the pool never hands out bytes that are not the key's.
 - Moves are vectorized: one ``index_select``/``index_copy_`` per layer (or one slice copy when the
-  slots are consecutive), never a Python loop over blocks. Loads run on the worker's load thread;
-  saves run synchronously in ``finish_step``.
+  slots are consecutive), never a Python loop over blocks. Loads and saves run on the worker's IO
+  thread, in plan order.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -44,7 +44,7 @@ from kvbridge.errors import ConfigError, KVBridgeError, LayoutError
 from kvbridge.layout import KVLayout, coalesce
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
-from kvbridge.store import BlockStore, StoreBackend
+from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 from kvbridge.testing.engine import Target
 
 
@@ -83,7 +83,7 @@ def _num_slots(capacity_bytes: int, slot_bytes: int) -> int:
     return slots
 
 
-class CpuIndex(BlockStore):
+class CpuIndex(StoreIndex):
     """Scheduler side: which key sits in which slot, in recency order, and which slots are pinned."""
 
     def __init__(self, engine: EngineInfo, options: CpuOptions):
@@ -116,7 +116,7 @@ class CpuIndex(BlockStore):
         self._pins[slot] += 1
         self._held.setdefault(request_id, []).append(slot)
 
-    def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> Mapping[str, Any]:
+    def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> CpuSlots:
         slots = []
         with self._lock:
             for key in keys:
@@ -126,7 +126,7 @@ class CpuIndex(BlockStore):
                     if self._touch:
                         self._slots.move_to_end(key)
                 slots.append(slot)
-        return {"slots": tuple(slots)}
+        return CpuSlots(tuple(slots))
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -138,7 +138,7 @@ class CpuIndex(BlockStore):
                 return slot
         return None
 
-    def reserve_save(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], Mapping[str, Any] | None]:
+    def reserve_save(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], CpuSlots]:
         positions, slots = [], []
         with self._lock:
             for i, key in enumerate(keys):
@@ -154,9 +154,9 @@ class CpuIndex(BlockStore):
                 self._pin(request_id, slot)
                 positions.append(i)
                 slots.append(slot)
-        return positions, {"slots": tuple(slots)}
+        return positions, CpuSlots(tuple(slots))
 
-    def release(self, request_id: str, *, loaded: bool = True, failed: Sequence[bytes] = ()) -> None:
+    def release(self, request_id: str, failed: Sequence[bytes] = ()) -> None:
         with self._lock:
             for slot in self._held.pop(request_id, ()):
                 self._pins[slot] -= 1
@@ -172,21 +172,22 @@ class CpuIndex(BlockStore):
                 else:
                     self._free.append(slot)
 
-    def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
-        raise KVBridgeError("cpu: load() runs on the worker side (CpuPool), not on the scheduler's index")
 
-    def save(self, op: BlockSave, layout: KVLayout) -> None:
-        raise KVBridgeError("cpu: save() runs on the worker side (CpuPool), not on the scheduler's index")
+@dataclasses.dataclass(frozen=True)
+class CpuSlots:
+    """The cpu tier's plan payload (``BlockLoad.source`` / ``BlockSave.target``): a slot per block,
+    -1 for a block gone from the index since lookup (the worker reports it failed)."""
 
-
-def _slots(mapping: Mapping[str, Any] | None, n: int) -> list[int]:
-    slots = list((mapping or {}).get("slots", ()))
-    if len(slots) != n:
-        raise KVBridgeError(f"cpu: plan names {len(slots)} slots for {n} blocks")
-    return slots
+    slots: tuple[int, ...]
 
 
-class CpuPool(BlockStore):
+def _slots(payload: Any, n: int) -> list[int]:
+    if not isinstance(payload, CpuSlots) or len(payload.slots) != n:
+        raise KVBridgeError(f"cpu: the plan names no slot for each of its {n} blocks ({payload!r})")
+    return list(payload.slots)
+
+
+class CpuPool(StoreIO):
     """Worker side: the slot pool itself, and the key each slot holds (so a load can verify it)."""
 
     def __init__(self, engine: EngineInfo, options: CpuOptions):
@@ -219,9 +220,6 @@ class CpuPool(BlockStore):
             if all(w is not None for w in kv):
                 self._words = list(zip(kv, (_words(self.pool[i]) for i in range(layout.num_layers))))
                 self._typed = [p.view(layout.dtype).view(num_slots, *layout.block_shape) for p in self.pool]
-
-    def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        raise KVBridgeError("cpu: contains_prefix() is answered by the scheduler side (CpuIndex)")
 
     def _pool(self) -> torch.Tensor:
         if self.pool is None:
@@ -328,8 +326,11 @@ class CpuBackend(StoreBackend):
     name = "cpu"
     options_type = CpuOptions
 
-    def open_store(self, engine: EngineInfo, side: str) -> BlockStore:
-        return CpuIndex(engine, self.options) if side == "scheduler" else CpuPool(engine, self.options)
+    def open_index(self, engine: EngineInfo) -> CpuIndex:
+        return CpuIndex(engine, self.options)
+
+    def open_io(self, engine: EngineInfo) -> CpuPool:
+        return CpuPool(engine, self.options)
 
 
 def conformance_target(tmp_path: object) -> Target:

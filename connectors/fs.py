@@ -57,7 +57,7 @@ from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import MissingDependency, StoreFull
 from kvbridge.layout import KVLayout
 from kvbridge.options import require
-from kvbridge.store import BlockStore, StoreBackend
+from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 from kvbridge.testing.engine import Target
 
 log = logging.getLogger(__name__)
@@ -163,24 +163,27 @@ class _Invalid(Exception):
         self.damaged = damaged
 
 
-class FsStore(BlockStore):
-    """One engine's view of the shared directory: its namespace and rank. See the module docstring."""
+class _Tree:
+    """Where one engine's objects live under the shared root: its namespace and rank."""
 
     def __init__(self, engine: EngineInfo, options: FsOptions):
-        super().__init__(engine)
         self.options = options
         self.root = os.path.abspath(options.path)
         ns = hashlib.sha256(engine.namespace.encode()).hexdigest()[:16]
         self.dir = os.path.join(self.root, ns, str(engine.rank))
-        self._kind = _CHECKSUMS[options.checksum]
-        self._made: set[str] = set()  # subdirectories known to exist (re-made if someone removes them)
-        self._usage: int | None = None  # estimate of bytes under root, when capacity_bytes is set
 
     def path_of(self, key: bytes) -> str:
         name = object_name(key)
         return os.path.join(self.dir, name[:2], name)
 
-    # -- scheduler side: one stat per key, stopping at the first miss ------------------------------
+
+class FsIndex(_Tree, StoreIndex):
+    """Scheduler side: one stat per key, stopping at the first miss."""
+
+    def __init__(self, engine: EngineInfo, options: FsOptions):
+        StoreIndex.__init__(self, engine)
+        _Tree.__init__(self, engine, options)
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         n = 0
         for key in keys:
@@ -190,6 +193,17 @@ class FsStore(BlockStore):
                 break
             n += 1
         return n
+
+
+class FsStore(_Tree, StoreIO):
+    """Worker side: one engine's objects in the shared directory. See the module docstring."""
+
+    def __init__(self, engine: EngineInfo, options: FsOptions):
+        StoreIO.__init__(self, engine)
+        _Tree.__init__(self, engine, options)
+        self._kind = _CHECKSUMS[options.checksum]
+        self._made: set[str] = set()  # subdirectories known to exist (re-made if someone removes them)
+        self._usage: int | None = None  # estimate of bytes under root, when capacity_bytes is set
 
     # -- worker side -------------------------------------------------------------------------------
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
@@ -385,7 +399,7 @@ class FsStore(BlockStore):
 
 
 class FsBackend(StoreBackend):
-    """The ``fs`` store backend; every side of every engine opens its own :class:`FsStore`."""
+    """The ``fs`` store backend: an :class:`FsIndex` for the scheduler, an :class:`FsStore` per worker."""
 
     name = "fs"
     options_type = FsOptions
@@ -395,7 +409,10 @@ class FsBackend(StoreBackend):
             raise MissingDependency("fs option checksum='crc32c' needs google-crc32c: pip install google-crc32c")
         super().__init__(options)
 
-    def open_store(self, engine: EngineInfo, side: str) -> FsStore:
+    def open_index(self, engine: EngineInfo) -> FsIndex:
+        return FsIndex(engine, self.options)
+
+    def open_io(self, engine: EngineInfo) -> FsStore:
         return FsStore(engine, self.options)
 
 
@@ -411,4 +428,4 @@ def conformance_target(tmp_path: Any) -> Target:
 
 BACKEND = FsBackend
 
-__all__ = ["BACKEND", "HEADER_BYTES", "MAGIC", "VERSION", "FsBackend", "FsOptions", "FsStore", "conformance_target", "object_name"]
+__all__ = ["BACKEND", "HEADER_BYTES", "MAGIC", "VERSION", "FsBackend", "FsOptions", "FsIndex", "FsStore", "conformance_target", "object_name"]

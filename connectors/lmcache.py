@@ -75,7 +75,7 @@ from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ClosedError, ConfigError, MissingDependency, PeerUnreachable, StoreFull, TransferTimeout
 from kvbridge.layout import KVLayout
 from kvbridge.options import require
-from kvbridge.store import BlockStore, StoreBackend
+from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 from kvbridge.testing.engine import Target
 
 _HINT = "pip install 'kvbridge[lmcache]'"
@@ -334,21 +334,18 @@ class _Invalid(Exception):
         self.damaged = damaged
 
 
-class LMCacheStore(BlockStore):
-    """One engine side's view of its (shared) LMCache ``StorageManager``. See the module docstring."""
+class _Handle:
+    """One engine side's view of its (shared) LMCache ``StorageManager``: its keys and its session."""
+
+    engine: EngineInfo
 
     def __init__(self, engine: EngineInfo, options: LMCacheOptions):
-        super().__init__(engine)
         self.options = options
         self._lib = _lmcache()
         self._model = f"{options.model_name}-{hashlib.sha256(engine.namespace.encode()).hexdigest()[:16]}"
         longest = self._lib.CacheEngineKey(self._model, engine.world_size, engine.rank, bytes(_MAX_HASH), torch.uint8)
         if len(longest.to_string()) > _KEY_LIMIT:
             raise ConfigError(f"lmcache keys of {self._model!r} would exceed LMCache's {_KEY_LIMIT} characters")
-        self._kind = _CHECKSUMS[options.checksum]
-        # host staging kept between calls (first-touching fresh pages costs more than the copy itself);
-        # loads run on the worker's load thread and saves on the engine's, so one buffer each
-        self._buffers: dict[str, torch.Tensor] = {}
         self._manager: _Manager | None = _acquire(options)
 
     @property
@@ -373,7 +370,19 @@ class LMCacheStore(BlockStore):
             manager.check_remote()
             yield manager
 
-    # -- scheduler side ----------------------------------------------------------------------------
+    def close(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            _release(manager)
+
+
+class LMCacheIndex(_Handle, StoreIndex):
+    """Scheduler side: which keys LMCache holds, from the first."""
+
+    def __init__(self, engine: EngineInfo, options: LMCacheOptions):
+        StoreIndex.__init__(self, engine)
+        _Handle.__init__(self, engine, options)
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         n = 0
         with self._session() as m:
@@ -383,7 +392,17 @@ class LMCacheStore(BlockStore):
                 n += 1
         return n
 
-    # -- worker side -------------------------------------------------------------------------------
+
+class LMCacheStore(_Handle, StoreIO):
+    """Worker side: block objects in and out of LMCache. See the module docstring."""
+
+    def __init__(self, engine: EngineInfo, options: LMCacheOptions):
+        StoreIO.__init__(self, engine)
+        _Handle.__init__(self, engine, options)
+        self._kind = _CHECKSUMS[options.checksum]
+        # host staging kept between calls (first-touching fresh pages costs more than the copy itself)
+        self._buffers: dict[str, torch.Tensor] = {}
+
     def attach(self, layout: KVLayout) -> None:
         size = HEADER_BYTES + layout.num_layers * layout.block_bytes
         if size > self.options.local_cpu_bytes or size >= 1 << 31:
@@ -536,14 +555,12 @@ class LMCacheStore(BlockStore):
         return buf[: math.prod(shape)].view(shape)
 
     def close(self) -> None:
-        manager, self._manager = self._manager, None
         self._buffers.clear()
-        if manager is not None:
-            _release(manager)
+        super().close()
 
 
 class LMCacheBackend(StoreBackend):
-    """The ``lmcache`` store backend; every side opens an :class:`LMCacheStore` on the process's manager."""
+    """The ``lmcache`` store backend: an :class:`LMCacheIndex` and :class:`LMCacheStore` s on the process's manager."""
 
     name = "lmcache"
     options_type = LMCacheOptions
@@ -553,7 +570,10 @@ class LMCacheBackend(StoreBackend):
             raise MissingDependency("lmcache option checksum='crc32c' needs google-crc32c: pip install google-crc32c")
         super().__init__(options)
 
-    def open_store(self, engine: EngineInfo, side: str) -> LMCacheStore:
+    def open_index(self, engine: EngineInfo) -> LMCacheIndex:
+        return LMCacheIndex(engine, self.options)
+
+    def open_io(self, engine: EngineInfo) -> LMCacheStore:
         return LMCacheStore(engine, self.options)
 
 
@@ -572,4 +592,4 @@ def conformance_target(tmp_path: Any) -> Target:
 
 BACKEND = LMCacheBackend
 
-__all__ = ["BACKEND", "HEADER_BYTES", "MAGIC", "VERSION", "LMCacheBackend", "LMCacheOptions", "LMCacheStore", "conformance_target"]
+__all__ = ["BACKEND", "HEADER_BYTES", "MAGIC", "VERSION", "LMCacheBackend", "LMCacheIndex", "LMCacheOptions", "LMCacheStore", "conformance_target"]

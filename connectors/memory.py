@@ -14,7 +14,7 @@ import torch
 
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.layout import KVLayout, LayoutFingerprint
-from kvbridge.store import BlockStore, StoreBackend
+from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 from kvbridge.testing.engine import Target
 
 # name -> {(namespace, rank, key): (fingerprint, bytes of the block in every layer [L, block_bytes])}
@@ -27,15 +27,22 @@ class MemoryOptions:
     name: str = "default"
 
 
-class MemoryStore(BlockStore):
+class _Shelf:
+    """One engine's view of a shared dict: its namespace and rank."""
+
     def __init__(self, engine: EngineInfo, name: str):
-        super().__init__(engine)
         with _LOCK:
             self._data = _SHARED.setdefault(name, {})
         self._namespace, self._rank = engine.namespace, engine.rank
 
     def _slot(self, key: bytes) -> tuple[str, int, bytes]:
         return (self._namespace, self._rank, key)
+
+
+class MemoryIndex(_Shelf, StoreIndex):
+    def __init__(self, engine: EngineInfo, name: str):
+        StoreIndex.__init__(self, engine)
+        _Shelf.__init__(self, engine, name)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         n = 0
@@ -44,6 +51,12 @@ class MemoryStore(BlockStore):
                 break
             n += 1
         return n
+
+
+class MemoryIO(_Shelf, StoreIO):
+    def __init__(self, engine: EngineInfo, name: str):
+        StoreIO.__init__(self, engine)
+        _Shelf.__init__(self, engine, name)
 
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         found = []
@@ -66,8 +79,11 @@ class MemoryBackend(StoreBackend):
     name = "memory"
     options_type = MemoryOptions
 
-    def open_store(self, engine: EngineInfo, side: str) -> MemoryStore:
-        return MemoryStore(engine, self.options.name)
+    def open_index(self, engine: EngineInfo) -> MemoryIndex:
+        return MemoryIndex(engine, self.options.name)
+
+    def open_io(self, engine: EngineInfo) -> MemoryIO:
+        return MemoryIO(engine, self.options.name)
 
 
 def clear(name: str | None = None) -> None:

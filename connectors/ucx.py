@@ -357,7 +357,7 @@ class UcxScheduler(SchedulerSide):
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         self._check_open()
         extra = {PLAN: UcxPlan(self._grant_key, tuple(self._holds))} if self.engine.role != "consumer" else {}
-        plan = StepPlan(loads=tuple(self._pending), hold_after_load=tuple(self._hold_after_load), extra=extra)
+        plan = StepPlan(loads=tuple(self._pending), held=tuple(self._hold_after_load), extra=extra)
         self._pending.clear()
         self._hold_after_load.clear()
         self._holds.clear()
@@ -1046,7 +1046,7 @@ class UcxWorker(WorkerSide):
         if self.server is not None and isinstance(ucx_plan, UcxPlan):
             self.server.hold(ucx_plan)
         with self._lock:
-            for rid in plan.hold_after_load:
+            for rid in plan.held:
                 (self._holds if rid in self._inflight else self._saved).add(rid)
             if plan.loads and (self._pool is None or self._puller is None):
                 raise ProtocolError(f"{self.engine.engine_id} is a {self.engine.role}: it cannot load")

@@ -23,10 +23,15 @@ Call order for one engine step (this is what the vLLM adapter does, and what
     scheduler: plan = plan_step(scheduled)       # every step
     worker:    start_step(plan)                  # loads begin (asynchronously)
     worker:    wait_layer(i); save_layer(i)      # for every layer, as the forward pass goes
-    worker:    finish_step()                     # saves handed off; the KV may be overwritten after
+    worker:    finish_step()                     # the forward pass is over; saves go on in the background
     worker:    report = poll()                   # every step, on every rank
     scheduler: on_report(report)                 # the reports of all ranks, merged
     scheduler: on_finished(req, block_ids)       # when a request ends (finished or aborted)
+    scheduler: on_preempted(req_ids)             # when the engine takes running requests' blocks back
+
+The bookkeeping every backend needs for this sequence (loads planned and in flight, holds, failed
+loads never offered again, transfers on a background thread) is written once in
+:mod:`kvbridge.lifecycle`; a backend's sides use it and only move bytes.
 
 Every object raises :class:`~kvbridge.errors.ClosedError` when used after ``close()``.
 """
@@ -126,18 +131,22 @@ class BlockSave:
 class StepPlan:
     """Everything the worker side must do for one engine step; plain values only.
 
-    ``hold_after_load`` names requests that ended while a load into their blocks was still running: the
-    worker reports each in ``finished_saving`` once that load is over, so the engine frees the blocks
-    only when nothing writes into them any more.
+    ``held`` names requests that ended while the engine holds their blocks for the backend
+    (``delay_free``: a load still writing them, a save still reading them): the worker reports each in
+    ``finished_saving`` once nothing of it is in flight, so the engine frees the blocks only then.
+    ``flush`` names requests whose blocks the engine took back without an end (preempted): the worker
+    finishes their saves before this step's forward pass may overwrite the blocks.
+    ``extra`` carries the backend's own payload: frozen dataclasses of plain values, one per key.
     """
 
     loads: tuple[BlockLoad, ...] = ()
     saves: tuple[BlockSave, ...] = ()
-    hold_after_load: tuple[str, ...] = ()
+    held: tuple[str, ...] = ()
+    flush: tuple[str, ...] = ()
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.hold_after_load or self.extra)
+        return bool(self.loads or self.saves or self.held or self.flush or self.extra)
 
 
 EMPTY_PLAN = StepPlan()
@@ -216,6 +225,11 @@ class SchedulerSide(_Closable, abc.ABC):
         """Merged worker reports of a step (all ranks)."""
         self._check_open()
 
+    def on_preempted(self, request_ids: Sequence[str]) -> None:
+        """The engine took these requests' blocks back (they resume later from scratch or from a
+        lookup); a backend still reading those blocks must name them in the next plan's ``flush``."""
+        self._check_open()
+
     @abc.abstractmethod
     def on_finished(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
         """The request ended (finished or aborted): free its blocks now, or hold them for a consumer
@@ -244,11 +258,22 @@ class WorkerSide(_Closable, abc.ABC):
 
     @abc.abstractmethod
     def finish_step(self) -> None:
-        """The forward pass is over. On return, this step's saves no longer need the KV blocks."""
+        """The forward pass is over: hand this step's saves off and return without waiting for them.
+
+        A save may go on reading its blocks after this returns: the scheduler side holds the blocks
+        of a request that ends with a save in flight (``delay_free``, then ``held``), and names a
+        preempted one in ``flush``. Only what the engine may overwrite while it is still a live,
+        unpreempted request — nothing, for computed full blocks — needs copying before return."""
 
     @abc.abstractmethod
     def poll(self) -> WorkerReport:
         """What finished or failed since the previous call (each event is reported once)."""
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no load or save of this worker is in flight (shutdown, tests, a client that
+        needs a save durable before it goes on); ``False`` on timeout."""
+        self._check_open()
+        return True
 
     def _require_layout(self) -> KVLayout:
         self._check_open()

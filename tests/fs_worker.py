@@ -43,7 +43,7 @@ def main(role: str, root: str, out: str, seed: int) -> None:
                 assert torch.equal(got.snapshot[:, :n], engine.expected(got.keys)), f"{rid}: bytes differ from the computed KV"
         else:
             rng = random.Random(seed)
-            store = engine.worker.store  # type: ignore[attr-defined]
+            store = engine.worker.io  # type: ignore[attr-defined]
             loaded = 0
             items = list(prompts().items())
             for step in range(40):

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 from kvbridge.connectors import memory
-from kvbridge.connectors.chain import ChainBackend, ChainOptions, ChainStore
+from kvbridge.connectors.chain import ChainBackend, ChainIndex, ChainIO, ChainOptions
 from kvbridge.connectors.memory import MemoryBackend, MemoryOptions
 
 from kvbridge import registry
 from kvbridge.contract import Backend, BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, UnknownBackend
 from kvbridge.layout import KVLayout
-from kvbridge.store import BlockStore, StoreBackend
+from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 from kvbridge.testing import MiniEngine
 
 CPU = {"backend": "cpu", "capacity_bytes": 4 << 20}
@@ -45,8 +45,8 @@ def chain(*tiers: dict[str, Any], **options: Any) -> ChainBackend:
     return backend
 
 
-def stores(e: MiniEngine) -> tuple[ChainStore, ChainStore]:
-    return e.scheduler.store, e.worker.store  # type: ignore[attr-defined,return-value]
+def stores(e: MiniEngine) -> tuple[ChainIndex, ChainIO]:
+    return e.scheduler.index, e.worker.io  # type: ignore[attr-defined,return-value]
 
 
 def fill(name: str, prompt: list[int]) -> list[bytes]:
@@ -158,21 +158,34 @@ def test_a_hit_in_a_slower_tier_is_promoted(mem, promote):
 
 
 # ---- degradation ---------------------------------------------------------------------------------
-class FaultyStore(BlockStore):
-    """A memory store with faults injected on purpose: each method in ``faults`` raises."""
-
-    def __init__(self, engine: EngineInfo, name: str, faults: set[str]):
-        super().__init__(engine)
-        self.inner = MemoryBackend(MemoryOptions(name)).open_store(engine, "any")
-        self.faults = faults
+class _Faults:
+    faults: set[str]
 
     def _maybe_fail(self, what: str) -> None:
         if what in self.faults:
             raise OSError(f"injected fault in {what}")
 
+
+class FaultyIndex(_Faults, StoreIndex):
+    """A memory store's index with faults injected on purpose: each method in ``faults`` raises."""
+
+    def __init__(self, engine: EngineInfo, name: str, faults: set[str]):
+        super().__init__(engine)
+        self.inner = MemoryBackend(MemoryOptions(name)).open_index(engine)
+        self.faults = faults
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         self._maybe_fail("contains_prefix")
         return self.inner.contains_prefix(keys)
+
+
+class FaultyIO(_Faults, StoreIO):
+    """A memory store's IO with faults injected on purpose."""
+
+    def __init__(self, engine: EngineInfo, name: str, faults: set[str]):
+        super().__init__(engine)
+        self.inner = MemoryBackend(MemoryOptions(name)).open_io(engine)
+        self.faults = faults
 
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         self._maybe_fail("load")
@@ -191,8 +204,11 @@ class FaultyBackend(StoreBackend):
         self.store_name = name
         self.faults: set[str] = set()  # shared by every store it opens: flip faults mid-run
 
-    def open_store(self, engine: EngineInfo, side: str) -> FaultyStore:
-        return FaultyStore(engine, self.store_name, self.faults)
+    def open_index(self, engine: EngineInfo) -> FaultyIndex:
+        return FaultyIndex(engine, self.store_name, self.faults)
+
+    def open_io(self, engine: EngineInfo) -> FaultyIO:
+        return FaultyIO(engine, self.store_name, self.faults)
 
 
 def faulty_chain(mem: str) -> tuple[ChainBackend, FaultyBackend]:

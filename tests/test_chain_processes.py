@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
         counts[rid] = [len(got.loaded_blocks), len(got.failed_blocks), n]
         assert torch.equal(got.snapshot[:, :n], engine.expected(got.keys))
     torch.save(results, out + ".pt")
-    stats = engine.worker.store.stats.as_dict()
+    stats = engine.worker.io.stats.as_dict()
     engine.close()
     json.dump({"counts": counts, "promoted": stats.get("promoted_blocks", 0)}, open(out + ".json", "w"))
     """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvbridge.connectors.cpu import CpuBackend, CpuIndex, CpuOptions, CpuPool
+from kvbridge.connectors.cpu import CpuBackend, CpuIndex, CpuOptions, CpuPool, CpuSlots
 
 from kvbridge import registry
 from kvbridge.contract import BlockLoad, EngineInfo
@@ -31,7 +31,7 @@ def index(slots: int, eviction: str = "lru") -> CpuIndex:
 
 
 def parts(e: MiniEngine) -> tuple[CpuIndex, CpuPool]:
-    return e.scheduler.store, e.worker.store  # type: ignore[attr-defined,return-value]
+    return e.scheduler.index, e.worker.io  # type: ignore[attr-defined,return-value]
 
 
 KEYS = [bytes([i]) * 16 for i in range(10)]
@@ -64,7 +64,7 @@ def test_scheduler_needs_the_block_size_from_engine_or_option():
     backend = CpuBackend(CpuOptions(capacity_bytes=1 << 20))
     with pytest.raises(ConfigError, match="block_bytes"):
         backend.scheduler(EngineInfo("e", 16))  # the engine does not say, nor does the option
-    sized = CpuBackend(CpuOptions(capacity_bytes=1000, block_bytes=100)).open_store(EngineInfo("e", 16), "scheduler")
+    sized = CpuBackend(CpuOptions(capacity_bytes=1000, block_bytes=100)).open_index(EngineInfo("e", 16))
     assert isinstance(sized, CpuIndex) and sized.num_slots == 10  # the option stands in for the engine
 
 
@@ -99,7 +99,7 @@ def save(idx: CpuIndex, rid: str, keys: list[bytes]) -> tuple[list[int], tuple[i
     positions, target = idx.reserve_save(rid, keys)
     idx.release(rid)  # the saves are done: unpinned
     assert target is not None
-    return list(positions), target["slots"]
+    return list(positions), target.slots
 
 
 def test_lru_evicts_least_recently_used_first():
@@ -150,7 +150,7 @@ def test_a_key_evicted_since_lookup_is_a_failed_block():
     save(idx, "w", KEYS[:2])
     assert idx.contains_prefix(KEYS[:2]) == 2
     save(idx, "w2", [KEYS[5]])  # evicts key 0
-    assert idx.reserve_load("r", KEYS[:2]) == {"slots": (-1, 1)}
+    assert idx.reserve_load("r", KEYS[:2]) == CpuSlots((-1, 1))
 
 
 # ---- end to end through the engine ----------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_a_slot_without_the_expected_key_is_never_loaded():
         _, pool = parts(e)
         sent = e.prefill("a", tokens(2, seed=7))
         before = e.read([10, 11])
-        failed = pool.load(BlockLoad("x", (10, 11), (sent.keys[1], sent.keys[0]), {"slots": (0, 1)}), e.layout)
+        failed = pool.load(BlockLoad("x", (10, 11), (sent.keys[1], sent.keys[0]), CpuSlots((0, 1))), e.layout)
         assert list(failed) == [10, 11]
         assert torch.equal(e.read([10, 11]), before)
     finally:

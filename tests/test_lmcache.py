@@ -95,7 +95,7 @@ def _pair(url: str, **layout: Any) -> tuple[MiniEngine, MiniEngine]:
     model = f"t{next(_names)}"
     producer = MiniEngine(_backend(url, model, arena_mib=16), engine_id="p", role="producer", seed=1, **layout)
     consumer = MiniEngine(_backend(url, model, arena_mib=24), engine_id="c", role="consumer", seed=2, **layout)
-    assert producer.worker.store.storage_manager is not consumer.worker.store.storage_manager
+    assert producer.worker.io.storage_manager is not consumer.worker.io.storage_manager
     return producer, consumer
 
 
@@ -152,7 +152,7 @@ def test_round_trip_through_server_is_bit_exact(server):
         assert got.loaded_tokens == 5 * 16 and got.failed_blocks == []
         assert torch.equal(got.snapshot[:, :5], sent.snapshot[:, :5])
         assert torch.equal(got.snapshot[:, :5], consumer.expected(got.keys[:5]))
-        assert consumer.worker.store.stats.load_blocks == 5
+        assert consumer.worker.io.stats.load_blocks == 5
     finally:
         _close(producer, consumer)
 
@@ -182,7 +182,7 @@ def test_foreign_layout_is_refused(server):
         got = consumer.prefill("b", tokens)
         assert got.loaded_blocks == [] and len(got.failed_blocks) == 3
         assert torch.equal(got.snapshot[:, :3], consumer.expected(got.keys[:3]))
-        assert consumer.worker.store.stats.corrupt == 1
+        assert consumer.worker.io.stats.corrupt == 1
     finally:
         _close(producer, consumer)
 
@@ -213,7 +213,7 @@ def test_damaged_objects_are_failed_blocks(server, damage):
     try:
         tokens = _tokens(4 * 16 + 1, seed=6)
         sent = producer.prefill("a", tokens)
-        store = producer.worker.store
+        store = producer.worker.io
         raw = _raw(store, sent.keys[0] if damage == "another_key" else sent.keys[1])
         if damage == "payload_bit":
             raw[lmc.HEADER_BYTES + 7] ^= 1
@@ -226,7 +226,7 @@ def test_damaged_objects_are_failed_blocks(server, damage):
         assert got.loaded_blocks == got.block_ids[:1]  # block 0 only
         assert got.failed_blocks == sorted(got.block_ids[1:4])
         assert torch.equal(got.snapshot[:, :4], consumer.expected(got.keys[:4]))  # recomputed, never the damage
-        assert consumer.worker.store.stats.corrupt == 1
+        assert consumer.worker.io.stats.corrupt == 1
     finally:
         _close(producer, consumer)
 
@@ -242,14 +242,14 @@ def test_server_killed_mid_run_means_misses_and_failed_blocks_not_hangs():
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         t0 = time.monotonic()
-        failed = consumer.worker.store.load(BlockLoad("x", (1, 2, 3), tuple(sent.keys[:3])), consumer.layout)
+        failed = consumer.worker.io.load(BlockLoad("x", (1, 2, 3), tuple(sent.keys[:3])), consumer.layout)
         assert list(failed) == [1, 2, 3]
         got = consumer.prefill("b", tokens)
         assert got.loaded_tokens == 0
         assert torch.equal(got.snapshot[:, :3], consumer.expected(got.keys[:3]))
         again = producer.prefill("c", _tokens(2 * 16 + 1, seed=8))  # a save with the server gone fails, counted
         assert again.loaded_tokens == 0
-        assert producer.worker.store.stats.save_failures == 1
+        assert producer.worker.io.stats.save_failures == 1
         assert time.monotonic() - t0 < 10
     finally:
         _close(producer, consumer)
@@ -263,13 +263,13 @@ def test_full_arena_skips_the_save_and_never_waits():
     engine = MiniEngine(backend, role="both")
     held = []
     try:
-        sm = engine.worker.store.storage_manager
+        sm = engine.worker.io.storage_manager
         while (obj := sm.allocate(torch.Size([1, 1, 1, 64 << 10]), torch.uint8, fmt=MemoryFormat.KV_2LTD, busy_loop=False)) is not None:
             held.append(obj)  # readers that never let go: nothing is evictable
         t0 = time.monotonic()
         engine.prefill("a", _tokens(2 * 16 + 1, seed=9))
         assert time.monotonic() - t0 < 5
-        assert engine.worker.store.stats.save_failures == 1
+        assert engine.worker.io.stats.save_failures == 1
     finally:
         for obj in held:
             obj.ref_count_down()
@@ -302,7 +302,7 @@ def test_lmcache_as_a_tier_of_chain(server):
         got = consumer.prefill("b", tokens)  # the consumer's cpu tier is empty: every block crosses the server
         assert got.loaded_tokens == 4 * 16 and got.failed_blocks == []
         assert torch.equal(got.snapshot[:, :4], sent.snapshot[:, :4])
-        assert consumer.worker.store.stats.promoted_blocks == 4
+        assert consumer.worker.io.stats.promoted_blocks == 4
     finally:
         _close(producer, consumer)
 

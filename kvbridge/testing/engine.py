@@ -50,6 +50,7 @@ class PrefillResult:
     failed_blocks: list[int]  # blocks whose load failed (recomputed)
     finish: FinishDecision
     snapshot: torch.Tensor  # the request's blocks after prefill, [num_layers, n, block_bytes]
+    reoffered: int = 0  # tokens the backend offered again after this request's load failed (must be 0)
 
 
 def fill_pattern(key: bytes, layer: int, nbytes: int) -> torch.Tensor:
@@ -188,17 +189,22 @@ class MiniEngine:
 
     # ---- the request life cycle ------------------------------------------------------------------
     def prefill(self, request_id: str, tokens: Sequence[int], params: Mapping[str, Any] | None = None, *,
-                timeout: float = 30.0, step_after: bool = True) -> PrefillResult:
-        return self.prefill_many([(request_id, tokens, params)], timeout=timeout, step_after=step_after)[0]
+                timeout: float = 30.0, step_after: bool = True, wait_saves: bool = True) -> PrefillResult:
+        return self.prefill_many([(request_id, tokens, params)], timeout=timeout, step_after=step_after,
+                                 wait_saves=wait_saves)[0]
 
     def prefill_many(
         self, requests: Sequence[tuple[str, Sequence[int], Mapping[str, Any] | None]], *, timeout: float = 30.0,
-        step_after: bool = True,
+        step_after: bool = True, wait_saves: bool = True,
     ) -> list[PrefillResult]:
         """Prefill several requests in the same steps (their loads share one plan), then finish them.
 
+        A request whose load failed is asked again, as vLLM asks (``lookup`` at its new computed
+        count): what the backend offers then is :attr:`PrefillResult.reoffered`, which must be 0.
         ``step_after=False`` models an engine that goes idle once the requests end (vLLM's offline
-        ``LLM.generate`` returning, an API server after its last request): no step follows the finish."""
+        ``LLM.generate`` returning, an API server after its last request): no step follows the finish.
+        ``wait_saves`` waits, before the requests end, until their saves are durable (a client that
+        needs the next request to find them); ``False`` leaves them running in the background."""
         bs = self.block_size
         reqs = [self.request(rid, toks, params) for rid, toks, params in requests]
         accepted, blocks = {}, {}
@@ -223,7 +229,7 @@ class MiniEngine:
                     raise TransferTimeout(f"loads of {sorted(waiting)} not reported within {timeout}s")
                 if waiting:
                     time.sleep(0.0005)
-        scheduled, loaded = [], {}
+        scheduled, loaded, reoffered = [], {}, {}
         for req in reqs:
             ids = blocks[req.request_id]
             n_loaded_blocks = -(-accepted[req.request_id] // bs)
@@ -231,6 +237,8 @@ class MiniEngine:
             good = bad[0] if bad else n_loaded_blocks  # recompute from the first failed block on
             loaded[req.request_id] = ids[:good]
             computed = good * bs
+            if bad:  # the engine asks anew; a backend offering the failed blocks again would fail forever
+                reoffered[req.request_id] = self.scheduler.lookup(req, computed).num_tokens
             self.compute(ids[good:], req.block_keys[good:])
             scheduled.append(ScheduledRequest(req.request_id, tuple(ids), computed, req.num_prompt_tokens - computed))
         plan = self.scheduler.plan_step(scheduled)
@@ -239,6 +247,8 @@ class MiniEngine:
             self.worker.wait_layer(layer)
             self.worker.save_layer(layer)
         self.worker.finish_step()
+        if wait_saves and not self.worker.wait_idle(timeout):
+            raise TransferTimeout(f"saves not over within {timeout}s")
         self._absorb(self.worker.poll())
         results = []
         for req in reqs:
@@ -259,6 +269,7 @@ class MiniEngine:
                     sorted(b for b in ids if b in failed),
                     decision,
                     snapshot,
+                    reoffered.get(req.request_id, 0),
                 )
             )
         if self._held and step_after:

@@ -31,10 +31,10 @@ Mapping, in vLLM's call order:
   ``poll`` (failed blocks are kept for ``get_block_ids_with_load_errors``, so vLLM recomputes them);
 - ``update_connector_output`` -> ``on_report``; ``request_finished`` -> ``on_finished``.
 
-Two guards keep a backend's answers from confusing vLLM: a request whose load failed is never
-offered a load again (vLLM asks anew when the failure left nothing computed, and a backend that still
-claims the blocks would fail forever); and a request that ends during its async load keeps only
-vLLM's own hold on its blocks (see :meth:`SchedulerAdapter.request_finished`).
+One guard keeps a backend's answers from confusing vLLM: a request that ends during its async load
+keeps only vLLM's own hold on its blocks (see :meth:`SchedulerAdapter.request_finished`). (That a
+request whose load failed is never offered a load again is the backends' own rule, kept by the
+core's :class:`~kvbridge.lifecycle.LoadBook`, so every engine gets it, not only vLLM.)
 """
 
 from __future__ import annotations
@@ -267,8 +267,6 @@ class SchedulerAdapter:
         self._blocks: dict[str, list[int]] = {}
         self._async: dict[str, bool] = {}  # the last lookup's answer was an async load
         self._awaiting: set[str] = set()  # async loads vLLM waits for (WAITING_FOR_REMOTE_KVS)
-        self._loading: dict[str, frozenset[int]] = {}  # requests with a load planned: their blocks
-        self._failed: set[str] = set()  # requests whose load failed: never offered a load again
         self._muted: list[str] = []
 
     def info(self, request: Any) -> RequestInfo:
@@ -288,10 +286,6 @@ class SchedulerAdapter:
         return info
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if request.request_id in self._failed:
-            # vLLM asks again after a failed load that left nothing computed; a backend that still
-            # claims the blocks would fail again, and again: this request recomputes instead.
-            return 0, False
         found = self.side.lookup(self.info(request), num_computed_tokens)
         is_async = found.is_async and found.num_tokens > 0
         self._async[request.request_id] = is_async
@@ -301,16 +295,17 @@ class SchedulerAdapter:
         rid = request.request_id
         block_ids = list(blocks.get_block_ids()[0])
         self._blocks[rid] = block_ids
-        if num_external_tokens > 0:
-            self._loading[rid] = frozenset(block_ids)
-            if self._async.get(rid):
-                self._awaiting.add(rid)
+        if num_external_tokens > 0 and self._async.get(rid):
+            self._awaiting.add(rid)
         self.side.on_allocated(self.info(request), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
         so = scheduler_output
-        for rid in so.preempted_req_ids or ():  # blocks freed; the full list returns on resumption
+        preempted = list(so.preempted_req_ids or ())
+        for rid in preempted:  # blocks freed; the full list returns on resumption
             self._blocks[rid] = []
+        if preempted:
+            self.side.on_preempted(preempted)
         scheduled: list[ScheduledRequest] = []
         for new in so.scheduled_new_reqs:
             ids = self._blocks[new.req_id] = list(new.block_ids[0])
@@ -336,10 +331,6 @@ class SchedulerAdapter:
         loaded = frozenset(output.finished_recving or ())
         failed = frozenset(output.invalid_block_ids or ())
         self._awaiting -= loaded
-        if failed:
-            self._failed.update(rid for rid, ids in self._loading.items() if ids & failed)
-        for rid in loaded:
-            self._loading.pop(rid, None)
         self.side.on_report(WorkerReport(loaded, frozenset(output.finished_sending or ()), failed))
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -348,8 +339,6 @@ class SchedulerAdapter:
         self._requests.pop(rid, None)
         self._blocks.pop(rid, None)
         self._async.pop(rid, None)
-        self._loading.pop(rid, None)
-        self._failed.discard(rid)
         vllm_holds = rid in self._awaiting
         self._awaiting.discard(rid)
         decision = self.side.on_finished(info, list(block_ids))

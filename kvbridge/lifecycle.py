@@ -1,0 +1,241 @@
+"""The life of a request's transfers, written once: what every backend's two sides share.
+
+A request's KV moves through a fixed sequence, whatever the medium::
+
+    offered (lookup) -> allocated -> load planned -> loading -> loaded | failed -> ... -> ended
+                                                                 saving -> saved ----^   (held until idle)
+
+Backends only move bytes; the bookkeeping of that sequence lives here, in two objects:
+
+- :class:`LoadBook` — on the scheduler side. Which requests have a load planned (not yet handed to
+  a worker) or in flight, which load failed (such a request is never offered a load again: an engine
+  asks anew after a failure that left nothing computed, and a backend still claiming the blocks
+  would fail forever), the failed blocks of a report attributed to their request, and at a
+  request's end the one decision there is: drop a load never started, or hold the blocks of one in
+  flight until the worker says it is over.
+- :class:`Transfers` — on the worker side. Loads and saves run on one background thread per worker
+  (first in, first out: a load planned after a save of the same key reads what that save wrote);
+  it records which requests finished loading, which blocks failed, and reports a *held* request in
+  ``finished_saving`` once nothing reads or writes its blocks any more.
+
+Both are thread-safe where they must be (``Transfers``: the engine thread and the IO thread) and cost
+nothing per block: the unit of work is one request's load or save.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from kvbridge.contract import BlockLoad, WorkerReport
+from kvbridge.errors import ClosedError
+
+log = logging.getLogger(__name__)
+
+
+class Ending(enum.Enum):
+    """What a request's end means for its load (:meth:`LoadBook.finish`)."""
+
+    NO_LOAD = "no load"  # none planned, or it was reported: the blocks are free to go
+    DROPPED = "dropped"  # planned but never handed to a worker: forgotten, the blocks are free to go
+    IN_FLIGHT = "in flight"  # a worker may still write the blocks: hold them (delay_free) until it reports
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadResult:
+    """A load a worker reported over, with the blocks of it that did not arrive."""
+
+    op: BlockLoad
+    failed: frozenset[int]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+class LoadBook:
+    """Scheduler-side record of every request's load, from plan to report. See the module docstring."""
+
+    def __init__(self) -> None:
+        self._planned: dict[str, BlockLoad] = {}  # not yet in a plan
+        self._in_flight: dict[str, BlockLoad] = {}  # in a plan, not yet reported
+        self._failed: set[str] = set()  # live requests whose load failed
+        self._held: list[str] = []  # ended with a load in flight: the next plan names them
+
+    def failed_before(self, request_id: str) -> bool:
+        """Whether this request's load failed: it must not be offered one again (``Lookup(0)``)."""
+        return request_id in self._failed
+
+    def plan(self, op: BlockLoad) -> None:
+        """A load for ``op.request_id`` (at allocation); it goes out with the next :meth:`take`."""
+        self._planned[op.request_id] = op
+
+    def planned(self, request_id: str) -> BlockLoad | None:
+        return self._planned.get(request_id) or self._in_flight.get(request_id)
+
+    def take(self) -> tuple[tuple[BlockLoad, ...], tuple[str, ...]]:
+        """This step's loads and held requests (for :class:`~kvbridge.contract.StepPlan`); now in flight."""
+        loads = tuple(self._planned.values())
+        self._in_flight.update(self._planned)
+        self._planned.clear()
+        held, self._held = tuple(self._held), []
+        return loads, held
+
+    def report(self, report: WorkerReport) -> list[LoadResult]:
+        """The loads ``report`` says are over, each with its own failed blocks (a report names only
+        block ids: an engine's wire carries no more). A failure is remembered until the request ends."""
+        results = []
+        for rid in report.finished_loading:
+            op = self._in_flight.pop(rid, None)
+            if op is None:
+                continue
+            failed = frozenset(b for b in op.block_ids if b in report.failed_blocks)
+            if failed:
+                self._failed.add(rid)
+            results.append(LoadResult(op, failed))
+        return results
+
+    def finish(self, request_id: str) -> tuple[Ending, BlockLoad | None]:
+        """The request ended: what becomes of its load, and the load itself (to release what it reserved;
+        for ``IN_FLIGHT`` it is released when :meth:`report` returns it)."""
+        self._failed.discard(request_id)
+        op = self._planned.pop(request_id, None)
+        if op is not None:
+            return Ending.DROPPED, op
+        op = self._in_flight.get(request_id)
+        if op is not None:
+            self._held.append(request_id)
+            return Ending.IN_FLIGHT, op
+        return Ending.NO_LOAD, None
+
+
+Failed = Sequence[int]  # block ids that did not arrive
+
+
+class Transfers:
+    """Worker-side loads and saves of every request, on one background thread. See the module docstring.
+
+    ``load(op, fn)`` runs ``fn() -> failed block ids`` (a raise fails every block of ``op``);
+    ``save(request_id, fn)`` runs ``fn()`` (a raise is logged and counted by ``on_save_error``, never
+    failing the request). ``hold(ids)``: these requests ended; report each in ``finished_saving`` once
+    it has nothing in flight.
+    """
+
+    def __init__(self, name: str, *, threads: int = 1):
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"kvbridge-{name}")
+        self._lock = threading.Lock()
+        self._busy: collections.Counter[str] = collections.Counter()  # request -> transfers in flight
+        self._futures: set[concurrent.futures.Future[None]] = set()
+        self._loaded: set[str] = set()
+        self._saved: set[str] = set()
+        self._failed: set[int] = set()
+        self._held: set[str] = set()
+        self._closed = False
+
+    # -- submitting --------------------------------------------------------------------------------
+    def load(self, op: BlockLoad, fn: Callable[[], Iterable[int]]) -> None:
+        self._submit(op.request_id, lambda: self._run_load(op, fn))
+
+    def save(self, request_id: str, fn: Callable[[], None], on_error: Callable[[Exception], None] | None = None) -> None:
+        self._submit(request_id, lambda: self._run_save(request_id, fn, on_error))
+
+    def hold(self, request_ids: Iterable[str]) -> None:
+        with self._lock:
+            for rid in request_ids:
+                if self._busy[rid]:
+                    self._held.add(rid)
+                else:
+                    self._saved.add(rid)
+
+    def busy(self, request_id: str) -> bool:
+        with self._lock:
+            return bool(self._busy[request_id])
+
+    def _submit(self, request_id: str, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("transfers are closed")
+            self._busy[request_id] += 1
+            future = self._pool.submit(self._settle, request_id, job)
+            self._futures.add(future)
+        future.add_done_callback(self._forget)
+
+    def _forget(self, future: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    # -- on the IO thread --------------------------------------------------------------------------
+    def _settle(self, request_id: str, job: Callable[[], None]) -> None:
+        try:
+            job()
+        finally:
+            with self._lock:
+                self._busy[request_id] -= 1
+                if not self._busy[request_id]:
+                    del self._busy[request_id]
+                    if request_id in self._held:
+                        self._held.discard(request_id)
+                        self._saved.add(request_id)
+
+    def _run_load(self, op: BlockLoad, fn: Callable[[], Iterable[int]]) -> None:
+        try:
+            failed = set(fn())
+        except Exception as exc:  # every block of the op is lost; the engine recomputes them
+            log.warning("load of %s failed: %s", op.request_id, exc)
+            failed = set(op.block_ids)
+        with self._lock:
+            self._loaded.add(op.request_id)
+            self._failed |= failed
+
+    @staticmethod
+    def _run_save(request_id: str, fn: Callable[[], None], on_error: Callable[[Exception], None] | None) -> None:
+        try:
+            fn()
+        except Exception as exc:  # a failed save loses a cache entry, never the request
+            log.warning("save of %s failed: %s", request_id, exc)
+            if on_error is not None:
+                on_error(exc)
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def poll(self, also_saved: Iterable[str] = ()) -> WorkerReport:
+        """What finished since the previous poll (``also_saved``: requests the caller releases itself)."""
+        with self._lock:
+            report = WorkerReport(frozenset(self._loaded), frozenset(self._saved.union(also_saved)), frozenset(self._failed))
+            self._loaded.clear()
+            self._saved.clear()
+            self._failed.clear()
+        return report
+
+    def wait(self, request_ids: Iterable[str] | None = None, timeout: float | None = None) -> bool:
+        """Block until nothing (or nothing of ``request_ids``) is in flight; ``False`` on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wanted = None if request_ids is None else set(request_ids)
+        while True:
+            with self._lock:
+                if wanted is None:
+                    futures = set(self._futures)
+                    if not futures:
+                        return True
+                elif not any(self._busy[r] for r in wanted):
+                    return True
+                else:
+                    futures = set(self._futures)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            concurrent.futures.wait(futures, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def close(self) -> None:
+        """Finish what is in flight (loads end by their own deadlines), then stop the thread."""
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=True)
+
+
+__all__ = ["Ending", "LoadBook", "LoadResult", "Transfers"]
