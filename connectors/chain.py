@@ -40,7 +40,6 @@ from kvbridge.layout import KVLayout, coalesce
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
-from kvbridge.testing.engine import Target
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,11 +98,11 @@ class ChainSave:
 class _Tiers(Generic[S]):
     """One side of every tier, composed; ``tiers[i]`` is tier ``i``'s own handle (fastest first)."""
 
-    stats: ChainStats
+    stats: Any  # the side's ChainStats (typed by the side's own base)
 
     def __init__(self, tiers: Sequence[S], names: Sequence[str]):
         self.stats = ChainStats()
-        self.tiers = list(tiers)
+        self.tiers: list[S] = list(tiers)
         self.names = list(names)
         self._warned: set[tuple[int, str]] = set()
 
@@ -223,8 +222,8 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
             sub = BlockLoad(
                 op.request_id, tuple(op.block_ids[i] for i in todo), tuple(op.keys[i] for i in todo), tier_source
             )
-            bad = self._call(t, "load", self.tiers[t].load, sub, layout)
-            bad = set(sub.block_ids) if bad is _FAILED else set(bad)
+            answer = self._call(t, "load", self.tiers[t].load, sub, layout)
+            bad = set(sub.block_ids) if answer is _FAILED else set(answer)
             arrived = [i for i in todo if op.block_ids[i] not in bad]
             need.difference_update(arrived)
             self.tiers[t].stats.add(
@@ -244,7 +243,7 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
         return [b for i, b in enumerate(op.block_ids) if i in need]
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
-        plan = op.target.tiers if isinstance(op.target, ChainSave) else ()
+        plan: tuple[TierShare, ...] = op.target.tiers if isinstance(op.target, ChainSave) else ()
         stored = False
         for t, positions, target in plan:
             sub = BlockSave(
@@ -301,20 +300,6 @@ class ChainBackend(StoreBackend):
 
     def open_io(self, engine: EngineInfo) -> ChainIO:
         return ChainIO(engine, self._open_each(lambda t: t.open_io(engine)), [t.name for t in self.tiers])
-
-
-def conformance_target(tmp_path: object) -> Target:
-    """Two engines, each with its own ``cpu`` tier in front of one shared ``memory`` tier: the
-    consumer's blocks come from the slower tier (and are promoted into its ``cpu``)."""
-    from kvbridge.connectors import memory
-
-    name = f"chain-conformance-{tmp_path}"
-    tiers: list[dict[str, Any]] = [{"backend": "cpu", "capacity_bytes": 16 << 20}, {"backend": "memory", "name": name}]
-    return Target(
-        ChainBackend(ChainOptions(tuple(tiers))),
-        ChainBackend(ChainOptions(tuple(tiers))),
-        lambda: memory.clear(name),
-    )
 
 
 BACKEND = ChainBackend

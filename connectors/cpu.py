@@ -45,7 +45,6 @@ from kvbridge.layout import KVLayout, coalesce
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
-from kvbridge.testing.engine import Target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,11 +330,6 @@ class CpuBackend(StoreBackend):
 
     def open_io(self, engine: EngineInfo) -> CpuPool:
         return CpuPool(engine, self.options)
-
-
-def conformance_target(tmp_path: object) -> Target:
-    """One engine playing both roles: the tier is private to the engine that fills it."""
-    return Target(CpuBackend(CpuOptions(capacity_bytes=16 << 20)))
 
 
 BACKEND = CpuBackend

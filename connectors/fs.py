@@ -42,13 +42,11 @@ import hashlib
 import logging
 import os
 import secrets
-import shutil
 import struct
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -58,7 +56,6 @@ from kvbridge.errors import MissingDependency, StoreFull
 from kvbridge.layout import KVLayout
 from kvbridge.options import require
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
-from kvbridge.testing.engine import Target
 
 log = logging.getLogger(__name__)
 
@@ -416,16 +413,6 @@ class FsBackend(StoreBackend):
         return FsStore(engine, self.options)
 
 
-def conformance_target(tmp_path: Any) -> Target:
-    """A producer and a consumer backend over one directory, as two processes would see it."""
-    root = Path(tmp_path) / "fs-store"
-    return Target(
-        FsBackend(FsOptions(path=str(root))),
-        FsBackend(FsOptions(path=str(root))),
-        lambda: shutil.rmtree(root, ignore_errors=True),
-    )
-
-
 BACKEND = FsBackend
 
-__all__ = ["BACKEND", "HEADER_BYTES", "MAGIC", "VERSION", "FsBackend", "FsOptions", "FsIndex", "FsStore", "conformance_target", "object_name"]
+__all__ = ["BACKEND", "HEADER_BYTES", "MAGIC", "VERSION", "FsBackend", "FsOptions", "FsIndex", "FsStore", "object_name"]

@@ -76,7 +76,6 @@ from kvbridge.errors import ClosedError, ConfigError, MissingDependency, PeerUnr
 from kvbridge.layout import KVLayout
 from kvbridge.options import require
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
-from kvbridge.testing.engine import Target
 
 _HINT = "pip install 'kvbridge[lmcache]'"
 # find_spec costs nothing (importing LMCache takes 3-10 s): `kvbridge backends` stays fast, and tells the truth
@@ -577,19 +576,6 @@ class LMCacheBackend(StoreBackend):
         return LMCacheStore(engine, self.options)
 
 
-def conformance_target(tmp_path: Any) -> Target:
-    """Producer and consumer over one disk tier in ``tmp_path`` (one process: one shared manager). The
-    CPU arena is a staging buffer only, so every load really reads LMCache's disk tier. The ``lm://``
-    server, shared across processes, is exercised by ``tests/test_lmcache.py``."""
-    import shutil
-
-    root = Path(tmp_path) / "lmcache-disk"
-    options = LMCacheOptions(
-        local_cpu_bytes=32 << 20, cpu_cache=False, local_disk=str(root), local_disk_bytes=256 << 20, model_name="conformance"
-    )
-    return Target(LMCacheBackend(options), LMCacheBackend(options), lambda: shutil.rmtree(root, ignore_errors=True))
-
-
 BACKEND = LMCacheBackend
 
-__all__ = ["BACKEND", "HEADER_BYTES", "MAGIC", "VERSION", "LMCacheBackend", "LMCacheIndex", "LMCacheOptions", "LMCacheStore", "conformance_target"]
+__all__ = ["BACKEND", "HEADER_BYTES", "MAGIC", "VERSION", "LMCacheBackend", "LMCacheIndex", "LMCacheOptions", "LMCacheStore"]

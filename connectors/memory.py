@@ -15,7 +15,6 @@ import torch
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.layout import KVLayout, LayoutFingerprint
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
-from kvbridge.testing.engine import Target
 
 # name -> {(namespace, rank, key): (fingerprint, bytes of the block in every layer [L, block_bytes])}
 _SHARED: dict[str, dict[tuple[str, int, bytes], tuple[LayoutFingerprint, torch.Tensor]]] = {}
@@ -93,12 +92,6 @@ def clear(name: str | None = None) -> None:
             _SHARED.clear()
         else:
             _SHARED.pop(name, None)
-
-
-def conformance_target(tmp_path: object) -> Target:
-    """Two engines sharing one store: the conformance suite's producer and consumer."""
-    name = f"conformance-{tmp_path}"
-    return Target(MemoryBackend(MemoryOptions(name)), MemoryBackend(MemoryOptions(name)), lambda: clear(name))
 
 
 BACKEND = MemoryBackend

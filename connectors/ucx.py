@@ -88,7 +88,6 @@ from kvbridge.metadata.server import MetadataServer
 from kvbridge.metadata.types import PeerInfo
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
-from kvbridge.testing.engine import Target
 
 log = logging.getLogger(__name__)
 
@@ -1131,10 +1130,4 @@ def describe() -> str:
             "handling (lane option)")
 
 
-def conformance_target(tmp_path: Path) -> Target:
-    """A producer and a consumer in this process, sharing its UCX runtime; addresses published under ``tmp_path``."""
-    options = UcxOptions(registry_dir=str(Path(tmp_path) / "ucx-registry"), timeout_s=10.0)
-    return Target(UcxBackend(options), UcxBackend(options))
-
-
-__all__ = ["BACKEND", "UcxBackend", "UcxOptions", "UcxScheduler", "UcxStats", "UcxWorker", "conformance_target", "describe"]
+__all__ = ["BACKEND", "UcxBackend", "UcxOptions", "UcxScheduler", "UcxStats", "UcxWorker", "describe"]

@@ -156,7 +156,7 @@ class StoreScheduler(SchedulerSide):
     def __init__(self, index: StoreIndex, engine: EngineInfo):
         self.index = index
         self.engine = engine
-        self.stats = index.stats
+        self.stats: TransferStats = index.stats
         self.loads = LoadBook()
         self._requests: dict[str, _Tracked] = {}
         self._saving_held: list[str] = []  # ended with saves out: the next plan names them held
@@ -271,7 +271,7 @@ class StoreWorker(WorkerSide):
     def __init__(self, io: StoreIO, engine: EngineInfo):
         self.io = io
         self.engine = engine
-        self.stats = io.stats
+        self.stats: TransferStats = io.stats
         self.transfers = Transfers(f"{engine.engine_id}-io")
         self._saves: tuple[BlockSave, ...] = ()
 
@@ -288,7 +288,7 @@ class StoreWorker(WorkerSide):
             self.transfers.load(op, functools.partial(self._load, op, layout))
         self.transfers.hold(plan.held)
 
-    def _load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
+    def _load(self, op: BlockLoad, layout: KVLayout) -> set[int]:
         t0 = time.perf_counter()
         try:
             failed = set(self.io.load(op, layout))

@@ -1,9 +1,9 @@
 """Benchmark cases per backend and operation, each measured beside its baselines in the same run.
 
 Every backend in :func:`kvbridge.registry.available` is measured; nothing here names the ones that
-exist today except to choose their baselines. A backend is built from its module's
-``conformance_target(tmp_path)`` hook (the same producer/consumer pair the conformance suite
-uses: temp dirs, its own servers), unless its :data:`BENCH` entry brings a ``target`` builder.
+exist today except to choose their baselines. A backend is built as its conformance target
+(:func:`kvbridge.testing.targets.target_for`: the same producer/consumer pair the conformance suite
+uses, temp dirs, its own servers), unless its :data:`BENCH` entry brings a ``target`` builder.
 
 Operations: ``save`` and ``load`` for stores, ``transfer`` for peers (the consumer's pull), and
 ``sched_step`` for both — scheduler-side ``lookup`` + ``on_allocated`` + ``plan_step`` per request.
@@ -51,6 +51,7 @@ from kvbridge.bench.core import (
 from kvbridge.bench.peers import POINT_BASELINES, UCX_PEERS
 from kvbridge.contract import BlockLoad, RequestInfo
 from kvbridge.testing.engine import Target
+from kvbridge.testing.targets import target_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,7 @@ class BackendBench:
     """How to benchmark one backend: its baselines (one record each) and, optionally, how to build it."""
 
     baselines: tuple[str, ...] = ("memcpy",)
-    target: Callable[[Path, Point], Target] | None = None  # default: the module's conformance_target(tmp_path)
+    target: Callable[[Path, Point], Target] | None = None  # default: kvbridge.testing.targets.target_for
 
 
 def _cpu(tmp: Path, point: Point) -> Target:
@@ -137,12 +138,10 @@ def _open(name: str, tmp: Path, point: Point) -> Target:
     spec = BENCH.get(name, DEFAULT_BENCH)
     if spec.target is not None:
         return spec.target(tmp, point)
-    module = importlib.import_module(registry.available()[name].target.partition(":")[0])
-    hook = getattr(module, "conformance_target", None)
-    if hook is None:
-        raise Unavailable(f"backend {name!r} has no conformance_target(tmp_path) hook")
-    target: Target = hook(tmp)
-    return target
+    try:
+        return target_for(name, tmp)
+    except LookupError as exc:
+        raise Unavailable(str(exc)) from None
 
 
 class Pair:

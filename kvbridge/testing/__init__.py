@@ -4,7 +4,8 @@
   does (lookup, allocate, plan, start/save/finish, poll, finish), with a real paged KV cache whose
   "computed" contents are a deterministic function of the tokens, so any process can tell whether
   the bytes that arrived are the bytes that left.
-- :mod:`kvbridge.testing.conformance` holds the suite; a backend joins it by exposing
+- :mod:`kvbridge.testing.conformance` holds the suite; :mod:`kvbridge.testing.targets` declares
+  what the built-in backends are tested as; a third-party backend joins by exposing
   ``conformance_target(tmp_path) -> Target`` in its module.
 """
 

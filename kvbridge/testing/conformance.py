@@ -4,16 +4,16 @@ Use it from a test module with::
 
     from kvbridge.testing.conformance import *  # noqa: F403
 
-It runs every test once per backend in the registry (built-in and entry points). A backend joins by
-exposing, in its module, ``conformance_target(tmp_path) -> kvbridge.testing.Target`` (a producer
-and a consumer backend sharing whatever medium they use). A backend that cannot be imported here
-(missing extra) is *skipped* with the reason and the install hint; a backend without the hook
+It runs every test once per backend in the registry (built-in and entry points). A backend joins with
+a target, a producer and a consumer backend sharing whatever medium they use: the built-in ones are
+declared in :mod:`kvbridge.testing.targets`; a third-party backend exposes, in its module,
+``conformance_target(tmp_path) -> kvbridge.testing.Target``. A backend that cannot be imported here
+(missing extra) is *skipped* with the reason and the install hint; a backend without a target
 *fails*. To run the suite against only some backends, override the ``conformance_names`` fixture.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -24,6 +24,7 @@ from kvbridge import registry
 from kvbridge.errors import ClosedError
 from kvbridge.layout import BLOCKS_FIRST, KV_FIRST
 from kvbridge.testing.engine import MiniEngine, Target
+from kvbridge.testing.targets import target_for
 
 BACKEND_NAMES = sorted(registry.available())
 
@@ -32,18 +33,12 @@ BACKEND_NAMES = sorted(registry.available())
 def conformance_backend(request: pytest.FixtureRequest, tmp_path) -> Iterator[tuple[str, Target]]:
     name = request.param
     spec = registry.available()[name]
-    module_name = spec.target.partition(":")[0]
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        pytest.skip(f"backend {name!r} not importable here ({exc}); {spec.install_hint}")
-    hook = getattr(module, "conformance_target", None)
-    if hook is None:
-        pytest.fail(f"backend {name!r} has no conformance_target(tmp_path) hook in {module_name}")
-    try:
-        target = hook(tmp_path)
+        target = target_for(name, tmp_path)
     except ImportError as exc:
         pytest.skip(f"backend {name!r} cannot run here ({exc}); {spec.install_hint}")
+    except LookupError as exc:
+        pytest.fail(str(exc))
     try:
         yield name, target
     finally:

@@ -3,8 +3,10 @@
     python engine_run.py SPEC.json OUT.json
 
 SPEC: ``model``, ``dtype``, ``kv`` (a KVTransferConfig dict, or null for a plain engine),
-``kv_bytes``, ``requests`` (``[{"name", "prompt", "max_tokens", "kv_transfer_params"?, "reset_cache"?}]``,
-generated one after the other), ``watch`` (a directory: record the files each request adds),
+``kv_bytes``, ``llm_args`` (more ``LLM(...)`` arguments: ``max_model_len``, ``block_size``, ...),
+``requests`` (``[{"name", "prompt", "max_tokens", "kv_transfer_params"?, "reset_cache"?}]``,
+generated one after the other; a prompt is token ids, or text where ``text`` is set: the engine then
+tokenizes), ``groups`` (lists of request names instead: each group in one ``generate`` call), ``watch`` (a directory: record the files each request adds),
 ``publish`` (write ``{name: kv_transfer_params}`` there once the requests are done), ``params_from``
 (wait for such a file and send each request with its entry, or with the entry ``params_of`` names,
 updated by ``params_patch``), ``done`` (touch this file at the end),
@@ -50,12 +52,12 @@ def main() -> None:
     kw: dict = {}
     if spec.get("kv"):
         kw["kv_transfer_config"] = KVTransferConfig(**spec["kv"])
+    kw.update(spec.get("llm_args") or {})  # more LLM(...) arguments, or other values for those below
+    kw = {"block_size": 32, "max_model_len": 512, **kw}
     llm = LLM(
         model=spec["model"],
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not spec.get("text"),
         enforce_eager=True,
-        block_size=32,
-        max_model_len=512,
         dtype=spec.get("dtype", "float32"),
         kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
         distributed_executor_backend=None if multiprocess else "uni",
@@ -86,7 +88,9 @@ def main() -> None:
         results = _batch(llm, spec["requests"], published)
         for name in spec.get("corrupt_held", ()):
             _corrupt_held(worker_conn, results[name]["kv_transfer_params"])
-    for req in [] if spec.get("batch") else spec["requests"]:
+    if spec.get("groups"):
+        results = _groups(llm, spec, worker_conn, totals)
+    for req in [] if spec.get("batch") or spec.get("groups") else spec["requests"]:
         if req.get("reset_cache"):
             llm.reset_prefix_cache()
         params = req.get("kv_transfer_params") or published.get(req.get("params_of", req["name"]))
@@ -141,6 +145,39 @@ def _sampling(req: dict, published: dict):
     extra = {"kv_transfer_params": params} if params else None
     return SamplingParams(temperature=0, max_tokens=req.get("max_tokens", 8), ignore_eos=True, detokenize=False,
                           logprobs=1, extra_args=extra)
+
+
+def _prompt(req: dict) -> dict:
+    return {"prompt": req["prompt"]} if isinstance(req["prompt"], str) else {"prompt_token_ids": req["prompt"]}
+
+
+def _groups(llm, spec: dict, worker_conn, totals) -> dict:
+    """``groups`` (lists of request names): each group in one ``generate`` call, one group after the
+    other; every request of a group gets the group's wall time and counters."""
+    by_name = {r["name"]: r for r in spec["requests"]}
+    results = {}
+    for names in spec["groups"]:
+        reqs = [by_name[n] for n in names]
+        before = totals()
+        t = time.perf_counter()
+        outs = llm.generate([_prompt(r) for r in reqs], [_sampling(r, {}) for r in reqs], use_tqdm=False)
+        wall = time.perf_counter() - t
+        if worker_conn is not None:  # loads and saves finish off the forward path: let them land
+            worker_conn._worker.side.wait_idle(10.0)
+        after = totals()
+        for req, out in zip(reqs, outs):
+            comp = out.outputs[0]
+            results[req["name"]] = {
+                "tokens": list(comp.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids)],
+                "finish_reason": comp.finish_reason,
+                "num_cached_tokens": out.num_cached_tokens,
+                "kv_transfer_params": out.kv_transfer_params,
+                "wall_s": wall,
+                "worker": _diff(after["worker"], before["worker"]),
+                "scheduler": _diff(after["scheduler"], before["scheduler"]),
+            }
+    return results
 
 
 def _batch(llm, requests: list, published: dict) -> dict:

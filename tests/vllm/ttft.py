@@ -1,60 +1,154 @@
-"""Measure time to first token of a consumer that loads the prompt's KV (fs) vs one that recomputes it.
+"""Measure time to first token of prompts whose KV an engine loads from an fs store vs prompts it recomputes.
 
-    .venv-vllm/bin/python tests/vllm/ttft.py [--prompts 8] [--tokens 400] [--workdir DIR] [--multiprocess]
+    .venv-vllm/bin/python tests/vllm/ttft.py [--tokens 1500] [--prompts 4] [--layout single|multi|both]
+        [--block-size 32] [--max-tokens 1] [--batch] [--text] [--async-scheduling on|off]
+        [--baseline miss|plain] [--env K=V ...] [--workdir DIR]
 
-A producer engine prefills every prompt into an fs store; then, one engine after the other (never
-two at once, so they do not compete for cores), a consumer engine with the fs connector and a plain
-engine run each prompt with ``max_tokens=1`` after two warm-up requests. TTFT is the wall time of
-that one-token ``generate`` (a single request, so nothing else queues in front of it).
+A producer engine prefills every timed prompt into an fs store (its outputs are the recomputed
+reference). Then, for each layout — ``single``: engine loop, scheduler and worker in one process, as
+vLLM's offline ``LLM`` runs; ``multi``: engine core and worker in their own processes, as in a server —
+one consumer engine (fs connector) runs two warm-up requests, then alternately a stored prompt (loaded)
+and a fresh prompt of the same length (recomputed: the store misses), each alone in a ``generate`` of
+``max_tokens`` tokens; TTFT is that call's wall time. ``--baseline plain`` recomputes the stored prompts
+themselves in an engine without a connector instead. Engines run one after the other, never two at
+once, so they do not compete for cores. ``--batch`` sends the loaded prompts in one ``generate`` and
+the recomputed ones in another (every request in the batch gets the batch's wall time).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pdkit import Engine, kv_config, make_tiny_llama  # noqa: E402
 
+LAYOUTS = {"single": False, "multi": True}  # layout -> engine_run's "multiprocess"
+
+
+def _stats(ms: list[float]) -> dict[str, float]:
+    return {"median_ms": round(statistics.median(ms), 2), "mean_ms": round(statistics.mean(ms), 2),
+            "min_ms": round(min(ms), 2), "max_ms": round(max(ms), 2)}  # fmt: skip
+
+
+def measure(
+    work: Path,
+    *,
+    tokens: int = 1500,
+    prompts: int = 4,
+    layouts: tuple[str, ...] = ("single", "multi"),
+    block_size: int = 32,
+    max_tokens: int = 1,
+    batch: bool = False,
+    text: bool = False,
+    baseline: str = "miss",
+    llm_args: dict[str, Any] | None = None,
+    timeout: float = 900,
+) -> dict[str, Any]:
+    """Run the producer and one consumer per layout; return TTFT figures and every request's result.
+
+    ``out[layout]["loaded"]`` / ``["recomputed"]``: ``{name: engine_run result}``; ``out["reference"]``:
+    the producer's results of the stored prompts; ``out["figures"]``: what :func:`main` prints."""
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "tiny-llama"
+    if not (model / "config.json").exists():
+        make_tiny_llama(model, max_positions=max(512, tokens + max_tokens + 64))
+    rng = random.Random(7)
+
+    def prompt() -> list[int] | str:
+        ids = [rng.randrange(4, 2048) for _ in range(tokens)]
+        return " ".join(f"w{t}" for t in ids) if text else ids
+
+    stored = {f"p{i}": prompt() for i in range(prompts)}
+    fresh = {f"q{i}": prompt() for i in range(prompts)}  # never stored: the consumer recomputes them
+    warm = [{"name": f"warm{i}", "prompt": prompt(), "max_tokens": max_tokens} for i in range(2)]
+    store = work / f"store-{block_size}-{tokens}-{'text' if text else 'ids'}"
+    extra = {"path": str(store)}
+    args = {"max_model_len": tokens + max_tokens + 64, "block_size": block_size, **(llm_args or {})}
+
+    def req(name: str, p: list[int] | str) -> dict[str, Any]:
+        return {"name": name, "prompt": p, "max_tokens": max_tokens}
+
+    def run(name: str, kv: dict | None, requests: list[dict], multiprocess: bool, **spec: Any) -> dict:
+        spec = {"model": str(model), "kv": kv, "requests": requests, "multiprocess": multiprocess, "llm_args": args,
+                "text": text, **spec}  # fmt: skip
+        return Engine(work / "engines", name, spec).result(timeout=timeout)["results"]
+
+    reference = run("producer", kv_config("kvbridge.FSConnector", "kv_producer", extra), [req(n, p) for n, p in stored.items()], False)
+    out: dict[str, Any] = {"reference": reference}
+    figures: dict[str, Any] = {"prompt_tokens": tokens, "loaded_tokens": tokens // block_size * block_size, "prompts": prompts,
+                               "block_size": block_size, "max_tokens": max_tokens, "batch": batch, "text": text,
+                               "baseline": baseline, "llm_args": llm_args or {}}  # fmt: skip
+    consumer = kv_config("kvbridge.FSConnector", "kv_consumer", extra)
+    for layout in layouts:
+        mp = LAYOUTS[layout]
+        if baseline == "plain":  # the stored prompts, loaded by the consumer and recomputed by a plain engine
+            reqs = warm + [req(n, p) for n, p in stored.items()]
+            groups = [[w["name"]] for w in warm] + ([list(stored)] if batch else [[n] for n in stored])
+            loaded = run(f"consumer-{layout}", consumer, reqs, mp, groups=groups)
+            recomputed = run(f"plain-{layout}", None, reqs, mp, groups=groups)
+        else:  # in one consumer: stored prompts (loaded) and fresh ones (recomputed), alternately
+            pairs = [(req(*a), req(*b)) for a, b in zip(stored.items(), fresh.items())]
+            if batch:
+                groups = [[w["name"]] for w in warm] + [list(stored), list(fresh)]
+            else:
+                groups = [[w["name"]] for w in warm] + [[r["name"]] for pair in pairs for r in pair]
+            res = run(f"consumer-{layout}", consumer, warm + [r for pair in pairs for r in pair], mp, groups=groups)
+            loaded, recomputed = res, {n: res[n] for n in fresh}
+        loaded = {n: loaded[n] for n in stored}
+        recomputed = {n: recomputed[n] for n in (stored if baseline == "plain" else fresh)}
+        out[layout] = {"loaded": loaded, "recomputed": recomputed}
+        load_ms = [1e3 * r["worker"].get("load_seconds", 0.0) for r in loaded.values() if r.get("worker")]
+        figures[layout] = {
+            "loaded (fs)": _stats([1e3 * r["wall_s"] for r in loaded.values()]),
+            "recomputed": _stats([1e3 * r["wall_s"] for r in recomputed.values()]),
+            "num_cached_tokens": sorted({r["num_cached_tokens"] for r in loaded.values()}),
+            **({"fs_load_ms_median": round(statistics.median(load_ms), 2)} if load_ms else {}),
+        }
+    out["figures"] = figures
+    return out
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=400)
+    ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--layout", choices=["single", "multi", "both"], default="both")
+    ap.add_argument("--multiprocess", action="store_true", help="the same as --layout multi")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--batch", action="store_true", help="loaded prompts in one generate call, recomputed ones in another")
+    ap.add_argument("--text", action="store_true", help="prompts as text (the engine tokenizes them)")
+    ap.add_argument("--async-scheduling", choices=["on", "off"], default=None, help="default: vLLM's choice (on)")
+    ap.add_argument("--baseline", choices=["miss", "plain"], default="miss")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V", help="environment of the engines (OMP_NUM_THREADS=2, ...)")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--multiprocess", action="store_true", help="engine core and worker in their own processes")
+    ap.add_argument("--json", default=None, help="also write every result here")
     args = ap.parse_args()
+    for kv in args.env:
+        k, _, v = kv.partition("=")
+        os.environ[k] = v
+    layouts = ("multi",) if args.multiprocess else ("single", "multi") if args.layout == "both" else (args.layout,)
+    llm_args = {} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling == "on"}
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvbridge-ttft-"))
-    model = make_tiny_llama(work / "tiny-llama") if not (work / "tiny-llama" / "config.json").exists() else work / "tiny-llama"
-    rng = random.Random(7)
-    prompts = {f"p{i}": [rng.randrange(4, 2048) for _ in range(args.tokens)] for i in range(args.prompts)}
-    warm = [{"name": f"warm{i}", "prompt": [rng.randrange(4, 2048) for _ in range(args.tokens)], "max_tokens": 1} for i in range(2)]
-    timed = [{"name": n, "prompt": p, "max_tokens": 1} for n, p in prompts.items()]
-    extra = {"path": str(work / "store")}
-
-    def run(name: str, kv: dict | None, requests: list[dict]) -> dict:
-        spec = {"model": str(model), "kv": kv, "requests": requests, "multiprocess": args.multiprocess}
-        return Engine(work / "engines", name, spec).result(timeout=900)["results"]
-
-    run("producer", kv_config("kvbridge.FSConnector", "kv_producer", extra), timed)
-    loaded = run("consumer", kv_config("kvbridge.FSConnector", "kv_consumer", extra), warm + timed)
-    plain = run("recompute", None, warm + timed)
-    assert all(loaded[n]["num_cached_tokens"] == args.tokens // 32 * 32 for n in prompts), "every prompt must load"
-    assert all(loaded[n]["tokens"] == plain[n]["tokens"] for n in prompts)
-    rows = {}
-    for label, res in (("loaded (fs)", loaded), ("recomputed", plain)):
-        ms = [1e3 * res[n]["wall_s"] for n in prompts]
-        rows[label] = {"median_ms": round(statistics.median(ms), 2), "mean_ms": round(statistics.mean(ms), 2),
-                       "min_ms": round(min(ms), 2), "max_ms": round(max(ms), 2)}  # fmt: skip
-    load_ms = [1e3 * loaded[n]["worker"].get("load_seconds", 0.0) for n in prompts]
-    print(json.dumps({"multiprocess": args.multiprocess, "prompt_tokens": args.tokens, "loaded_tokens": args.tokens // 32 * 32, "prompts": args.prompts,
-                      "ttft": rows, "fs_load_ms_median": round(statistics.median(load_ms), 2)}, indent=2))  # fmt: skip
+    out = measure(work, tokens=args.tokens, prompts=args.prompts, layouts=layouts, block_size=args.block_size,
+                  max_tokens=args.max_tokens, batch=args.batch, text=args.text, baseline=args.baseline,
+                  llm_args=llm_args)  # fmt: skip
+    for layout in layouts:
+        loaded = out[layout]["loaded"]
+        out["figures"][layout]["loaded_outputs_match"] = all(loaded[n]["tokens"] == out["reference"][n]["tokens"] for n in loaded)
+    out["figures"]["env"] = dict(kv.partition("=")[::2] for kv in args.env)
+    print(json.dumps(out["figures"], indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out))
 
 
 if __name__ == "__main__":
