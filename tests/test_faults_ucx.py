@@ -39,8 +39,8 @@ import torch
 
 pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
 
-from kvbridge.connectors import _ucx_runtime as rtmod  # noqa: E402
 from kvbridge.connectors.ucx import CONTROL_BYTES, CONTROL_TAG, WORKER_ADDRESS, UcxBackend, UcxOptions  # noqa: E402
+from kvbridge.connectors.ucx import runtime as rtmod  # noqa: E402
 
 from kvbridge.contract import EngineInfo, WorkerReport  # noqa: E402
 from kvbridge.metadata.client import MetadataClient  # noqa: E402

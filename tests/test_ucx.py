@@ -23,8 +23,8 @@ import torch
 
 pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
 
-from kvbridge.connectors import _ucx_runtime  # noqa: E402
 from kvbridge.connectors.ucx import UcxBackend, UcxOptions, UcxWorker  # noqa: E402
+from kvbridge.connectors.ucx import runtime as _ucx_runtime  # noqa: E402
 
 import kvbridge  # noqa: E402
 from kvbridge.contract import WorkerReport  # noqa: E402

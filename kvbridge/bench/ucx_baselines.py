@@ -149,7 +149,7 @@ def _kvbridge(blocks: int, reps: int, progress_mode: str = "thread") -> Timing:
 
 # ---- raw ucxx: sender child, receiver through the backend's runtime here -------------------------------
 def _ucxx_sender(nbytes: int, progress_mode: str) -> None:
-    from kvbridge.connectors import _ucx_runtime as rtmod
+    from kvbridge.connectors.ucx import runtime as rtmod
 
     rt = rtmod.runtime(progress_mode)
     src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
@@ -169,7 +169,7 @@ def ucxx_worker_address(nbytes: int, op: str = "transfer", env: Mapping[str, Any
     """One ucxx tag message of ``nbytes`` from a child process: worker-address endpoint, error handling off,
     the backend's ``UCX_TLS`` — what the ``ucx`` backend's chunks ride on, as one buffer."""
     try:
-        from kvbridge.connectors import _ucx_runtime as rtmod
+        from kvbridge.connectors.ucx import runtime as rtmod
     except ImportError as exc:
         raise Unavailable(f"{exc}") from exc
     import asyncio

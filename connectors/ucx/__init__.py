@@ -38,7 +38,7 @@ Every wait has a deadline (``timeout_s`` without progress); a dead, unreachable 
 ends the load with its missing blocks in ``failed_blocks`` (the engine recomputes them), never a
 hang. After a timeout the endpoint to that producer is dropped and made anew next time.
 
-Runtime, transport choice and the ``cma`` safety rule: :mod:`kvbridge.connectors._ucx_runtime`.
+Runtime, transport choice and the ``cma`` safety rule: :mod:`kvbridge.connectors.ucx.runtime`.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from kvbridge.connectors import _ucx_onesided as onesided
-from kvbridge.connectors import _ucx_runtime as rtmod
+from kvbridge.connectors.ucx import onesided
+from kvbridge.connectors.ucx import runtime as rtmod
 
 from kvbridge import native
 from kvbridge.contract import (
@@ -163,7 +163,7 @@ class UcxOptions:
       ``ucp`` GET with peer error handling, else the two-sided path when the native module is missing),
       "cma", "ucp", "ucp-unsafe" (UCX may pick cma with error handling off: a dying producer can abort
       the consumer), "two-sided" (tag sends served by the producer's Python). See
-      :mod:`kvbridge.connectors._ucx_onesided`.
+      :mod:`kvbridge.connectors.ucx.onesided`.
     - ``token``: shared token of the metadata plane (both sides must agree).
     """
 
@@ -873,7 +873,7 @@ class _Puller:
 
     def _read(self, address: str, peer: _Peer, op: BlockLoad, src: Mapping[str, Any]) -> set[int]:
         """One-sided: read every block straight into the KV, then count them only if the producer confirms
-        it held them throughout (see :mod:`kvbridge.connectors._ucx_onesided`). All or nothing."""
+        it held them throughout (see :mod:`kvbridge.connectors.ucx.onesided`). All or nothing."""
         assert peer.source is not None
         rid, t0 = str(src["remote_request_id"]), time.perf_counter()
         grant = bytes.fromhex(str(src.get("grant", "")))
