@@ -8,6 +8,7 @@ backend (skipped with the reason when it cannot run here). Each test measures it
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,7 @@ from kvbridge.bench.cases import (
     medium_env,
     opened,
     save_case,
+    save_stall_case,
     sched_floor_case,
 )
 from kvbridge.bench.core import SHAPES, Point, Timing, gbps
@@ -93,6 +95,27 @@ def test_transfer(benchmark, backend_name, point):
             pytest.skip(f"{backend_name} is a store: see test_store")
         median = _run(benchmark, load_case(pair, peer=True), p)
         _beside(benchmark, backend_name, "transfer", p, env, median)
+
+
+@pytest.mark.parametrize("point", list(POINTS))
+def test_save_stall(benchmark, backend_name, point):
+    """A store's step that saves: timed, the worker's ``start_step`` … ``finish_step`` (the forward pass's
+    stall); ``extra_info`` has the save's own time beside it (``save_s``, ``stall_frac``) and the raw
+    medium writing the same bytes (``baseline_s``)."""
+    p = POINTS[point]
+    for pair, peer, env in _pair(backend_name, p):
+        if peer:
+            pytest.skip(f"{backend_name} is a peer: its producer saves nothing")
+        saves: list[float] = []
+        stall = _run(benchmark, save_stall_case(pair, saves), p)
+        save = statistics.median(saves[-ROUNDS:])
+        name = BENCH.get(backend_name, DEFAULT_BENCH).baselines[0]
+        base = Measurer(ROUNDS).baseline(name, p, "save", env)
+        benchmark.extra_info.update(stall_s=stall, save_s=save, stall_frac=stall / save, baseline=name)
+        if isinstance(base, Timing):
+            benchmark.extra_info["baseline_s"] = base.median
+        else:
+            benchmark.extra_info["baseline_note"] = base
 
 
 def test_sched_step(benchmark, backend_name):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import statistics
 
 import pytest
 
 from kvbridge import registry
 from kvbridge.bench import simulate as sim
-from kvbridge.bench.core import Record
+from kvbridge.bench.cases import Pair, opened, time_save_stall
+from kvbridge.bench.core import SHAPES, Point, Record
 from kvbridge.cli import main
 
 FIELDS = {f.name for f in dataclasses.fields(Record)}
@@ -46,6 +49,54 @@ def test_bench_measures_memory_and_reports_missing_peers(bench_json):
     assert any(r["op"] == "recompute" and r["backend"] == "memory" for r in bench_json)
     external = [r for r in bench_json if r["backend"] == "lmcache-native"]  # NIXL and Mooncake: beside ucx (test_peers)
     assert external and all(r["note"].startswith("not measured") for r in external)
+
+
+def _positive(value) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
+
+
+@pytest.mark.parametrize("name, medium", [("cpu", "memcpy"), ("fs", "file")])
+def test_bench_reports_the_stall_saves_cause(bench_json, name, medium):
+    """save_stall: the stall of a step that saves (the worker's start_step .. finish_step) beside the save's
+    own time and the raw medium writing the same bytes. Structure and finite figures only: speed is
+    measured by the bench, not asserted here."""
+    recs = [r for r in bench_json if r["backend"] == name and r["op"] == "save_stall"]
+    assert len(recs) == 1, recs
+    rec = recs[0]
+    assert rec["note"] == "" and rec["baseline"] == medium and rec["gbps"] is None, rec
+    for field in ("median_s", "p99_s", "save_s", "stall_frac", "baseline_s", "ratio"):
+        assert _positive(rec[field]), (field, rec)
+    assert rec["bytes"] > 0 and rec["reps"] == 1, rec
+    assert rec["stall_frac"] == pytest.approx(rec["median_s"] / rec["save_s"]), rec  # one step: its own ratio
+    assert rec["ratio"] == pytest.approx(rec["baseline_s"] / rec["median_s"]), rec
+
+
+def test_save_stall_times_real_saves():
+    """Each step of the case saves through the real worker; stall and save have one sample per step."""
+    point = Point(SHAPES["8b"], 32)
+    with opened("memory", point) as (target, _tmp):
+        pair = Pair(target, point)
+        try:
+            before = pair.prod.worker.stats.saves
+            timing = time_save_stall(pair, 2)
+            assert pair.prod.worker.stats.saves - before == 3  # one warm-up step, two timed
+            assert pair.prod.worker.wait_idle(0)  # the case leaves nothing in flight
+        finally:
+            pair.close()
+    assert len(timing.stall.samples) == len(timing.save.samples) == len(timing.fractions) == 2
+    assert all(_positive(v) for v in (*timing.stall.samples, *timing.save.samples, *timing.fractions))
+    assert timing.frac == pytest.approx(statistics.median(timing.fractions))
+
+
+def test_bench_ops_picks_the_cases(tmp_path, capsys):
+    path = tmp_path / "stall.json"
+    args = ["bench", "--backends", "memory", "--tokens", "32", "--reps", "1", "--no-recompute"]
+    assert main([*args, "--ops", "save_stall", "--json", str(path)]) == 0
+    records = json.loads(path.read_text())
+    assert records and {r["op"] for r in records} == {"save_stall"}
+    assert "forward-pass stall per step caused by saves" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown op"):
+        main([*args, "--ops", "stall"])
 
 
 def test_simulate_reads_bench_json(bench_json, tmp_path, capsys):

@@ -5,8 +5,10 @@ exist today except to choose their baselines. A backend is built as its conforma
 (:func:`kvbridge.testing.targets.target_for`: the same producer/consumer pair the conformance suite
 uses, temp dirs, its own servers), unless its :data:`BENCH` entry brings a ``target`` builder.
 
-Operations: ``save`` and ``load`` for stores, ``transfer`` for peers (the consumer's pull), and
-``sched_step`` for both — scheduler-side ``lookup`` + ``on_allocated`` + ``plan_step`` per request.
+Operations: ``save`` and ``load`` for stores, ``transfer`` for peers (the consumer's pull),
+``save_stall`` for stores — the forward-pass stall of a step that saves (the worker's ``start_step`` …
+``finish_step``) beside the save's own time — and ``sched_step`` for both: scheduler-side ``lookup`` +
+``on_allocated`` + ``plan_step`` per request.
 
 To add a backend's baselines, add one :data:`BENCH` entry; to add a third-party system to compare
 against, give its :data:`EXTERNAL` entry a ``run``, or, to read the same request as a peer backend
@@ -21,7 +23,9 @@ import importlib
 import importlib.util
 import os
 import shutil
+import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,8 +49,11 @@ from kvbridge.bench.core import (
     run_load,
     run_save,
     same_blocks,
+    save_seconds,
     settle,
+    step_saves,
     time_reps,
+    wait_saved,
 )
 from kvbridge.bench.peers import POINT_BASELINES, UCX_PEERS
 from kvbridge.contract import BlockLoad, RequestInfo
@@ -95,8 +102,9 @@ EXTERNAL: dict[str, ExternalPeer] = {
     "lmcache-native": ExternalPeer("lmcache"),
 }  # NIXL and Mooncake are measured beside ucx, as its baselines (kvbridge/bench/peers.py)
 
-STORE_OPS = ("save", "load", "sched_step")
+STORE_OPS = ("save", "load", "save_stall", "sched_step")
 PEER_OPS = ("transfer", "sched_step")
+OPS = ("save", "load", "save_stall", "transfer", "sched_step")  # every op, in the order they run
 SCHED_REQUESTS = 16  # requests per scheduler step in sched_step
 
 
@@ -191,17 +199,77 @@ class Case:
         return time_reps(self.run, reps, setup=self.setup, teardown=self.teardown)
 
 
-def save_case(pair: Pair) -> Case:
-    """A store's save of every request's prompt (fresh keys each time)."""
+def save_case(pair: Pair, tag: str = "save", seed: int = 1000) -> Case:
+    """A store's save of every request's prompt (fresh keys each time), from ``start_step`` until the
+    save is over (``finish_step`` only hands it to the worker's IO thread; the worker idle again)."""
 
     def setup(i: int) -> tuple[list[RequestInfo], Any]:
-        reqs, plan = pair.save_plan(f"save{i}", 1000 + i)
+        reqs, plan = pair.save_plan(f"{tag}{i}", seed + i)
         saved = sum(len(s.block_ids) for s in plan.saves)
         if saved != pair.point.blocks:
             raise Unavailable(f"the plan saves {saved} of {pair.point.blocks} blocks (store too small?)")
         return reqs, plan
 
     return Case(setup, lambda s: run_save(pair.prod, s[1]), lambda s: end_save(pair.prod, s[0], pair.pblocks))
+
+
+@dataclasses.dataclass(frozen=True)
+class StallTiming:
+    """The ``save_stall`` figures, one sample of each per step: ``stall`` — the worker's calls on the
+    forward path (``start_step`` … ``finish_step``) — and ``save``, the save's own time."""
+
+    stall: Timing
+    save: Timing
+
+    @property
+    def fractions(self) -> tuple[float, ...]:
+        """Per step: the stall as a fraction of that step's save."""
+        return tuple(a / b for a, b in zip(self.stall.samples, self.save.samples))
+
+    @property
+    def frac(self) -> float:
+        return statistics.median(self.fractions)
+
+
+def save_stall_case(pair: Pair, saves: list[float]) -> Case:
+    """A step that saves every request's prompt (fresh keys each time) through the real worker, driven
+    as the forward pass drives it: plan with the saves, then ``start_step``, the per-layer hooks,
+    ``finish_step``.
+
+    Timed: those calls (:func:`~kvbridge.bench.core.step_saves`) — the stall the forward pass sees.
+    Untimed, in teardown: the worker idle again (``wait_idle``), then the save's own time is appended
+    to ``saves``: the worker's ``stats.save_seconds`` over the step (time inside the store's ``save``
+    on the IO thread), or, for a worker that keeps none, ``start_step`` until idle. A failed save
+    makes the case unmeasurable (the figures would be of no save).
+    """
+    save = save_case(pair, "stall", 5000)  # keys of their own: a point's save case stored its own already
+
+    def setup(i: int) -> dict[str, Any]:
+        reqs, plan = save.setup(i)
+        stats = getattr(pair.prod.worker, "stats", None)
+        failures = getattr(stats, "save_failures", 0)
+        before = save_seconds(pair.prod)
+        return {"reqs": reqs, "plan": plan, "failures": failures, "before": before, "t0": time.perf_counter()}
+
+    def teardown(s: dict[str, Any]) -> None:
+        wait_saved(pair.prod)
+        done = time.perf_counter() - s["t0"]
+        stats = getattr(pair.prod.worker, "stats", None)
+        if getattr(stats, "save_failures", 0) != s["failures"]:
+            raise Unavailable("a save failed (see the log)")
+        after = save_seconds(pair.prod)
+        own = after - s["before"] if after is not None and s["before"] is not None else 0.0
+        saves.append(own if own > 0 else done)
+        end_save(pair.prod, s["reqs"], pair.pblocks)
+
+    return Case(setup, lambda s: step_saves(pair.prod, s["plan"]), teardown)
+
+
+def time_save_stall(pair: Pair, reps: int) -> StallTiming:
+    """:func:`save_stall_case`, timed: the stall and the save's own time of the same ``reps`` steps."""
+    saves: list[float] = []
+    stall = save_stall_case(pair, saves).time(reps)
+    return StallTiming(stall, Timing(tuple(saves[-len(stall.samples) :])))
 
 
 def load_case(pair: Pair, *, peer: bool, timed: str = "load") -> Case:
@@ -295,21 +363,28 @@ def sched_points(points: Sequence[Point]) -> list[Point]:
     return [Point(SHAPES["tiny"], tokens, bs, "scattered", SCHED_REQUESTS) for tokens, bs in seen]
 
 
-def _planned(name: str, points: Sequence[Point]) -> int:
-    return 1 if name in EXTERNAL else 2 * len(points) + len(sched_points(points))
+def _planned(name: str, points: Sequence[Point], ops: Sequence[str] = OPS) -> int:
+    if name in EXTERNAL:
+        return 1
+    per_point = max(1, len({"save", "load", "save_stall"} & set(ops)))
+    return per_point * len(points) + (len(sched_points(points)) if "sched_step" in ops else 0)
 
 
-def count_cases(names: Sequence[str], points: Sequence[Point]) -> int:
+def count_cases(names: Sequence[str], points: Sequence[Point], ops: Sequence[str] = OPS) -> int:
     """How many cases :meth:`Measurer.measure` runs for ``names`` (for the progress bar; an upper bound)."""
-    return sum(_planned(n, points) for n in names)
+    return sum(_planned(n, points, ops) for n in names)
 
 
 class Measurer:
     """Runs the cases of each backend; baselines are measured once per size, op and medium in this run."""
 
-    def __init__(self, reps: int, progress: Progress | None = None):
+    def __init__(self, reps: int, progress: Progress | None = None, ops: Sequence[str] = OPS):
+        unknown = sorted(set(ops) - set(OPS))
+        if unknown:
+            raise ValueError(f"unknown op(s) {unknown}; known: {list(OPS)}")
         self.reps = reps
         self.progress = progress or Progress(0)
+        self.ops = tuple(ops)
         self._base: dict[tuple[Any, ...], Timing | str] = {}
 
     def baseline(self, name: str, point: Point, op: str, env: Mapping[str, Any]) -> Timing | str:
@@ -351,9 +426,38 @@ class Measurer:
             )
         return out
 
+    def _stall_records(
+        self,
+        name: str,
+        point: Point,
+        ours: StallTiming | None,
+        baselines: Sequence[str],
+        env: Mapping[str, Any],
+        note: str,
+    ) -> list[Record]:
+        """``save_stall`` rows: the stall beside the save's own time, and the raw medium writing the same
+        bytes (the ``save`` baseline, measured once for both)."""
+        out = []
+        for b in baselines:
+            base = self.baseline(b, point, "save", env) if ours else None
+            record = make_record(
+                name,
+                "save_stall",
+                point,
+                ours.stall if ours else None,
+                b,
+                base if isinstance(base, Timing) else None,
+                note=note or (base if isinstance(base, str) else getattr(base, "note", "")),
+                moves_bytes=False,
+            )
+            if ours:
+                record = dataclasses.replace(record, save_s=ours.save.median, stall_frac=ours.frac)
+            out.append(record)
+        return out
+
     def measure(self, name: str, points: Sequence[Point]) -> list[Record]:
-        """Every case of backend (or external peer) ``name`` at ``points``."""
-        end = self.progress.done + _planned(name, points)
+        """Every case (of :attr:`ops`) of backend (or external peer) ``name`` at ``points``."""
+        end = self.progress.done + _planned(name, points, self.ops)
         try:
             return self._measure(name, points)
         finally:
@@ -370,26 +474,30 @@ class Measurer:
         records: list[Record] = []
         for point in points:
             records += self._point(name, spec, point)
-        for point in sched_points(points):
+        for point in sched_points(points) if "sched_step" in self.ops else ():
             self.progress.step(f"{name} sched_step {point.label()}")
             records += self._sched(name, point)
         return records
 
+    def _ops(self, peer: bool) -> list[str]:
+        return [op for op in (("transfer",) if peer else ("save", "load", "save_stall")) if op in self.ops]
+
     def _point(self, name: str, spec: BackendBench, point: Point) -> list[Record]:
         records: list[Record] = []
+        if not self._ops(getattr(registry.get(name), "kind", "store") == "peer"):
+            return records  # none of the chosen ops applies: the backend is not even opened
         try:
             with opened(name, point) as (target, tmp):
                 peer = target.producer.kind == "peer"
-                ops = ("transfer",) if peer else ("save", "load")
+                ops = self._ops(peer)
                 pair = Pair(target, point)
                 env = medium_env(target, tmp)
-                timed: list[tuple[str, Timing | None, str]] = []
+                timed: list[tuple[str, Timing | StallTiming | None, str]] = []
                 try:
                     for op in ops:
                         self.progress.step(f"{name} {op} {point.label()}")
                         try:
-                            case = save_case(pair) if op == "save" else load_case(pair, peer=peer)
-                            timed.append((op, case.time(self.reps), ""))
+                            timed.append((op, self._time(op, pair, peer), ""))
                         except Exception as exc:  # noqa: BLE001 - one failing case is a row, not a crash
                             timed.append((op, None, f"not measured: {type(exc).__name__}: {exc}"))
                 finally:
@@ -397,10 +505,20 @@ class Measurer:
                 # baselines right after, with the backend's engines closed: their threads (a spinning one
                 # costs a core of two) must not slow the raw medium or a peer down
                 for op, ours, note in timed:
-                    records += self._records(name, op, point, ours, spec.baselines, env, note)
+                    if op == "save_stall":
+                        stall = ours if isinstance(ours, StallTiming) else None
+                        records += self._stall_records(name, point, stall, spec.baselines, env, note)
+                    else:
+                        plain = ours if isinstance(ours, Timing) else None
+                        records += self._records(name, op, point, plain, spec.baselines, env, note)
         except Exception as exc:  # noqa: BLE001 - the backend would not start
             records += _not_measured(name, "-", point, spec.baselines, f"{type(exc).__name__}: {exc}")
         return records
+
+    def _time(self, op: str, pair: Pair, peer: bool) -> Timing | StallTiming:
+        if op == "save_stall":
+            return time_save_stall(pair, self.reps)
+        return (save_case(pair) if op == "save" else load_case(pair, peer=peer)).time(self.reps)
 
     def _sched(self, name: str, point: Point) -> list[Record]:
         try:
@@ -441,19 +559,23 @@ __all__ = [
     "BENCH",
     "DEFAULT_BENCH",
     "EXTERNAL",
+    "OPS",
     "BackendBench",
     "Case",
     "ExternalPeer",
     "Measurer",
     "Pair",
     "Progress",
+    "StallTiming",
     "bench_names",
     "count_cases",
     "load_case",
     "medium_env",
     "opened",
     "save_case",
+    "save_stall_case",
     "sched_floor",
     "sched_floor_case",
     "sched_points",
+    "time_save_stall",
 ]

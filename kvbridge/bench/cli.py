@@ -12,10 +12,10 @@ import itertools
 import json
 import sys
 
-from kvbridge.bench.cases import Measurer, Progress, bench_names, count_cases
+from kvbridge.bench.cases import OPS, Measurer, Progress, bench_names, count_cases
 from kvbridge.bench.core import SHAPES, Point, Record
 from kvbridge.bench.recompute import compare, measure_prefill
-from kvbridge.bench.report import ProgressBar, plot, recompute_table, table
+from kvbridge.bench.report import ProgressBar, plot, recompute_table, stall_table, table
 
 _8B, _70B = SHAPES["8b"], SHAPES["70b"]
 DEFAULT_MATRIX = (
@@ -45,6 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=_ints, help="comma-separated, e.g. 16,32,128")
     parser.add_argument("--ids", type=_names, help="block id pattern: contiguous, scattered (comma-separated)")
     parser.add_argument("--requests", type=_ints, help="concurrent requests per step, comma-separated")
+    parser.add_argument("--ops", type=_names, help=f"comma-separated of {list(OPS)} (default: all)")
     parser.add_argument("--reps", type=int, help="timed repetitions per case (default 3; --quick 2)")
     parser.add_argument("--quick", action="store_true", help="a small matrix in seconds")
     parser.add_argument("--prefill-tps", type=float, default=10_000.0,
@@ -79,9 +80,13 @@ def measure(args: argparse.Namespace) -> list[Record]:
     names = args.backends or bench_names()
     points = matrix(args)
     reps = args.reps or (2 if args.quick else 3)
+    ops = args.ops or list(OPS)
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        raise SystemExit(f"kvbridge bench: unknown op(s) {unknown}; known: {list(OPS)}")
     bar = ProgressBar()
-    progress = Progress(count_cases(names, points) + (0 if args.no_recompute else 1), bar)
-    measurer = Measurer(reps, progress)
+    progress = Progress(count_cases(names, points, ops) + (0 if args.no_recompute else 1), bar)
+    measurer = Measurer(reps, progress, ops)
     records: list[Record] = []
     try:
         for name in names:
@@ -100,6 +105,13 @@ def run(args: argparse.Namespace) -> int:
     shapes = ", ".join(f"{s.name} = {s.bytes_per_token >> 10} KiB/token" for s in SHAPES.values() if s.name != "tiny")
     print(f"kvbridge bench ({shapes}; ratio = ours/baseline in throughput: 1.00 = as fast as the raw medium)\n")
     print(table(records))
+    st = stall_table(records)
+    if st:
+        print(
+            "\nforward-pass stall per step caused by saves (stall = the worker's start_step .. finish_step; "
+            "save = the save's own time, on the IO thread; base = the raw medium writing the same bytes)\n"
+        )
+        print(st)
     rc = recompute_table(records)
     if rc:
         print("\ntransfer vs recompute (transfer = the backend's load; prefill at the given tokens/s)\n")

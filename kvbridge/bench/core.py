@@ -3,8 +3,10 @@ driven through a backend's scheduler and worker sides.
 
 Only the transfer is timed. A :class:`KVPool` fills its KV cache with random bytes once
 (``torch.randint``), builds the plan outside the timed region, and times exactly what moves bytes:
-``start_step`` … ``finish_step`` for a save, ``start_step`` … the ``poll`` that reports the last
-load for a load (or a peer's pull).
+``start_step`` … the worker idle again for a save (``finish_step`` only hands a store's save to its
+IO thread), ``start_step`` … the ``poll`` that reports the last load for a load (or a peer's pull).
+The forward-pass stall a save causes — the worker's calls inside the step, ``start_step`` …
+``finish_step`` — is timed apart (:func:`step_saves`, the ``save_stall`` case).
 """
 
 from __future__ import annotations
@@ -122,7 +124,10 @@ class Record:
     as the raw medium, 0.5 half as fast.
 
     A case that could not run has ``median_s=None`` and says why in ``note`` ("not measured: ...").
-    For ``sched_step`` the times are per request per step and ``gbps`` is ``None``.
+    For ``sched_step`` the times are per request per step and ``gbps`` is ``None``. For ``save_stall``
+    ``median_s``/``p99_s`` are the stall (the worker's forward-path calls of a step that saves
+    ``bytes``), ``gbps`` is ``None``, ``save_s`` is the save's own time, ``stall_frac`` the stall as
+    a fraction of it, and the baseline is the raw medium writing the same bytes.
     """
 
     backend: str
@@ -143,6 +148,8 @@ class Record:
     requests: int = 1
     reps: int = 0
     note: str = ""
+    save_s: float | None = None  # save_stall: median of the save's own time (the worker's save_seconds per step)
+    stall_frac: float | None = None  # save_stall: median over steps of stall / the save's own time
 
     @property
     def measured(self) -> bool:
@@ -284,14 +291,35 @@ def plan_save(pool: KVPool, reqs: Sequence[RequestInfo], blocks: Sequence[tuple[
     )
 
 
-def run_save(pool: KVPool, plan: StepPlan) -> None:
-    """Worker: the step's per-layer saves (timed)."""
+def step_saves(pool: KVPool, plan: StepPlan) -> None:
+    """Worker: what the forward pass of a step that saves calls — ``start_step``, the per-layer hooks,
+    ``finish_step`` — and waits for (the ``save_stall`` case times this). A store's save goes on after
+    it returns, on the worker's IO thread."""
     w = pool.worker
     w.start_step(plan)
     for layer in range(pool.layout.num_layers):
         w.wait_layer(layer)
         w.save_layer(layer)
     w.finish_step()
+
+
+def wait_saved(pool: KVPool, *, timeout: float = 120.0) -> None:
+    """Worker: until no save (or load) of it is in flight (``wait_idle``)."""
+    if not pool.worker.wait_idle(timeout):
+        raise TransferTimeout(f"{pool.info.engine_id}: the worker is not idle after {timeout}s")
+
+
+def run_save(pool: KVPool, plan: StepPlan) -> None:
+    """Worker: the step's saves, from ``start_step`` until they are over (timed as ``save``)."""
+    step_saves(pool, plan)
+    wait_saved(pool)
+
+
+def save_seconds(pool: KVPool) -> float | None:
+    """The worker's ``stats.save_seconds`` so far (time inside its store's saves), ``None`` if it keeps none."""
+    stats = getattr(pool.worker, "stats", None)
+    value = getattr(stats, "save_seconds", None)
+    return float(value) if value is not None else None
 
 
 def end_save(pool: KVPool, reqs: Sequence[RequestInfo], blocks: Sequence[tuple[int, ...]]) -> list[FinishDecision]:
@@ -389,6 +417,9 @@ __all__ = [
     "run_load",
     "run_save",
     "same_blocks",
+    "save_seconds",
     "settle",
+    "step_saves",
     "time_reps",
+    "wait_saved",
 ]

@@ -65,7 +65,7 @@ def table(records: Sequence[Record]) -> str:
     notes: list[tuple[str, str]] = []
     seen: set[tuple[object, ...]] = set()
     for r in records:
-        if r.op == "recompute":
+        if r.op in ("recompute", "save_stall"):  # their own tables
             continue
         if not r.measured:
             key = (r.backend, r.op, r.shape, r.tokens, r.block_size, r.ids, r.requests, r.note)
@@ -93,6 +93,39 @@ def recompute_table(records: Sequence[Record]) -> str:
         for r in records if r.op == "recompute"
     ]  # fmt: skip
     return _grid(head, rows) if rows else ""
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.3f} ms" if seconds < 0.01 else f"{seconds * 1e3:.1f} ms"
+
+
+def stall_table(records: Sequence[Record]) -> str:
+    """``save_stall``: per step that saves ``size``, the forward-pass stall (the worker's ``start_step`` …
+    ``finish_step``) beside the save's own time and the raw medium writing the same bytes; ``save ratio``
+    is the save's throughput over the raw medium's (1.00 = as fast)."""
+    head = ("backend", "shape", "tokens", "bs", "ids", "req", "size", "stall", "p99", "save", "stall/save",
+            "baseline", "base", "save ratio")  # fmt: skip
+    rows: list[tuple[str, ...]] = []
+    notes: list[tuple[str, str]] = []
+    seen: set[tuple[object, ...]] = set()
+    for r in records:
+        if r.op != "save_stall":
+            continue
+        where = (r.backend, r.shape, str(r.tokens), str(r.block_size), r.ids[:4], str(r.requests))
+        if not r.measured:
+            if (*where, r.note) not in seen:
+                seen.add((*where, r.note))
+                rows.append((*where, r.note))
+            continue
+        frac = f"{r.stall_frac * 100:.2f}%" if r.stall_frac is not None else "-"
+        ratio = f"{r.baseline_s / r.save_s:.2f}" if r.save_s and r.baseline_s else "-"
+        rows.append((*where, _size(r.bytes), _ms(r.median_s), _ms(r.p99_s), _ms(r.save_s), frac, r.baseline,
+                     _ms(r.baseline_s), ratio))  # fmt: skip
+        if r.note:
+            notes.append((r.backend, r.note))
+    return (_grid(head, rows) + "".join(f"\n  {b}: {n}" for b, n in notes)) if rows else ""
 
 
 def _grid(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -155,4 +188,4 @@ def plot(records: Sequence[Record], path: str) -> str | None:
     return None
 
 
-__all__ = ["ProgressBar", "plot", "recompute_table", "table"]
+__all__ = ["ProgressBar", "plot", "recompute_table", "stall_table", "table"]
