@@ -112,20 +112,36 @@ def until_loaded(vl: Any, eng: NS, rid: str) -> set[int]:
     raise AssertionError(f"{rid} never reported loaded")
 
 
+def until_released(vl: Any, eng: NS, rid: str) -> None:
+    """Empty steps until the worker reports ``rid`` in finished_sending (its held blocks may go)."""
+    for _ in range(500):
+        sending, recving, errs = run_worker(vl, eng, eng.sched.build_connector_meta(step()))
+        eng.sched.update_connector_output(vl.Output(finished_sending=sending, finished_recving=recving, invalid_block_ids=errs))
+        if sending and rid in sending:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"{rid} never released")
+
+
 def prefill(vl: Any, eng: NS, rid: str, tokens: list[int], ids: list[int]) -> Any:
+    """Prefill ``rid`` and end it; a store's save goes on after the step, so the request's blocks are held
+    (delay_free) until the worker reports the save over in finished_sending, which this waits for."""
     req = request(tokens, rid)
     assert eng.sched.get_num_new_matched_tokens(req, 0) == (0, False)
     eng.sched.update_state_after_alloc(req, blocks(ids), 0)
     meta = eng.sched.build_connector_meta(step(new=[(rid, ids, 0, len(tokens))]))
     run_worker(vl, eng, meta, compute=ids)
-    return eng.sched.request_finished(req, ids)
+    decision = eng.sched.request_finished(req, ids)
+    if decision[0]:
+        until_released(vl, eng, rid)
+    return decision
 
 
 def test_hand_off_through_the_adapter(vl: Any) -> None:
     tokens = list(range(100, 300))  # 6 full blocks + 8 tokens
     producer, consumer = engine(vl, "kv_producer", "h1"), engine(vl, "kv_consumer", "h1")
     p_ids = [7, 3, 9, 1, 12, 5, 30]
-    assert prefill(vl, producer, "p", tokens, p_ids) == (False, None)
+    assert prefill(vl, producer, "p", tokens, p_ids) == (True, None), "held until the save is over"
     assert producer.worker.totals()["save_blocks"] == 6
 
     req = request(tokens, "c")
