@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import kvbridge
+from kvbridge.errors import KVBridgeError
 
 # name -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -81,7 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"kvbridge {name}", description=summary)
     module.configure(parser)
     args = parser.parse_args(rest)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except KVBridgeError as exc:  # bad input found past parsing: one line, no traceback
+        print(f"kvbridge {name}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

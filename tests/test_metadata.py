@@ -479,7 +479,33 @@ def test_listening_on_a_taken_port_is_a_config_error(serve: Callable[..., Metada
         MetadataServer(taken.address).start()
 
 
+@pytest.mark.parametrize("listen,message", [("127.0.0.1:99999", "out of range"), ("127.0.0.1", "expected HOST:PORT"),
+                                            ("[127.0.0.1]:0", "not an IPv6"), (":5000", "expected HOST:PORT")])
+def test_a_listen_address_is_parsed_strictly(listen: str, message: str) -> None:
+    """A port that would wrap (99999 -> 34463) or a missing one (-> :443) is refused, never guessed."""
+    with pytest.raises(errors.ConfigError, match=message):
+        MetadataServer(listen)
+
+
+def test_an_ipv6_listener_reports_its_address(serve: Callable[..., MetadataServer]) -> None:
+    try:
+        server = serve(listen="[::1]:0")
+    except errors.ConfigError as exc:  # a machine without IPv6 loopback
+        pytest.skip(str(exc))
+    assert server.address == f"[::1]:{server.port}"
+
+
 # ---- the standalone process -------------------------------------------------------------------------
+
+def test_cli_refuses_a_bad_listen_address_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbridge.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["metadata-server", "--listen", "127.0.0.1:99999"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "port 99999" in err and "Traceback" not in err
+
 
 def test_cli_refuses_bad_options_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
     from kvbridge.cli import main

@@ -37,6 +37,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvbridge.addresses import HostPort, parse_host_port
 from kvbridge.errors import ConfigError
 from kvbridge.metadata import wire
 from kvbridge.metadata.directory import Directory
@@ -129,7 +130,7 @@ class MetadataServer:
             raise ConfigError("token must be non-empty (or None for no token)")
         if max_hashes < 1 or max_message_bytes < 1024 or max_workers < 1:
             raise ConfigError("max_hashes, max_workers must be >= 1 and max_message_bytes >= 1024")
-        self.listen = listen
+        self.listen = str(parse_host_port(listen, what="metadata server listen address", allow_zero=True))
         self.port: int | None = None
         self.directory: Directory | None = (Directory() if directory is True else directory) or None
         self._tls = tls
@@ -185,7 +186,7 @@ class MetadataServer:
         """``host:port`` as listened on, with the actual port (valid after :meth:`start`)."""
         if self.port is None:
             raise ConfigError("server not started")
-        return f"{self.listen.rpartition(':')[0]}:{self.port}"
+        return str(HostPort(parse_host_port(self.listen, allow_zero=True).host, self.port))
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop taking calls, let running ones finish for up to ``grace`` seconds, release the threads. Idempotent."""
@@ -311,8 +312,17 @@ class MetadataServer:
 TOKEN_ENV = "KVBRIDGE_METADATA_TOKEN"
 
 
+def _host_port(text: str) -> str:
+    try:
+        parse_host_port(text, what="HOST:PORT", allow_zero=True)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT; port 0 picks a free one (default %(default)s)")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT; port 0 picks a free one (default %(default)s)",
+                        type=_host_port)
     parser.add_argument("--token-file", help=f"file holding the shared token (default: ${TOKEN_ENV}, else no token)")
     parser.add_argument("--tls-cert", help="server certificate chain (PEM); with --tls-key enables TLS")
     parser.add_argument("--tls-key", help="server private key (PEM)")
@@ -346,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         server = _standalone(args)
         server.start()
     except (ConfigError, OSError) as exc:
-        print(f"kvbridge metadata-server: {exc}", file=sys.stderr)
+        print(f"kvbridge metadata-server: error: {exc}", file=sys.stderr)
         return 2
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

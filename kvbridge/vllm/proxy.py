@@ -10,29 +10,39 @@ For every ``POST /v1/completions`` or ``/v1/chat/completions``:
    streamed (server-sent events, relayed chunk by chunk) or not — is the client's answer.
 
 Several ``--prefill`` / ``--decode`` URLs are used round-robin. Every upstream call has a deadline
-(``--timeout`` seconds without progress). An upstream that cannot be reached, times out or answers
-5xx gives the client ``502`` with a JSON error naming that upstream; a 4xx from the prefill server is
-the client's own error and is passed through. Standard library only: the proxy adds no dependency.
+(``--timeout`` seconds without progress). **A prefill server that cannot be reached, times out or
+answers 5xx costs latency, never the request**: the next prefill server is tried, and when none
+answers, the request goes to the decode server without ``kv_transfer_params`` (it recomputes the
+prompt) — counted in ``/metrics`` and logged once per request. A 4xx from the prefill server is the
+client's own error and is passed through. A decode server that fails gives the client ``502`` with a
+JSON error naming it. A client that goes away mid-answer is logged at debug level, no traceback.
 
-``GET /health`` answers 200; ``GET /v1/models`` is forwarded to a decode server.
+Other routes, so the proxy stands in for a vLLM server (benchmark clients probe them): ``GET /health``,
+``GET /v1/models``, ``POST /tokenize`` and ``/detokenize`` (forwarded to a decode server), and
+``GET /metrics``: the proxy's own counters in Prometheus text format. Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import http.client
 import itertools
 import json
 import logging
 import threading
-import urllib.parse
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from kvbridge.addresses import parse_host_port, parse_http_url
+from kvbridge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+FORWARDED_POSTS = ("/tokenize", "/detokenize")  # answered by a decode server as they are
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer", "upgrade"}
 
 
@@ -48,13 +58,11 @@ class Upstream:
     """One OpenAI-compatible server, given by its base URL (``http://host:port[/prefix]``)."""
 
     def __init__(self, url: str, timeout: float):
-        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
+        parsed = parse_http_url(url, what="upstream")
+        if not timeout > 0:
+            raise ConfigError(f"upstream timeout must be positive, got {timeout}")
         self.url = url
-        self.scheme, self.host = parts.scheme, parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.prefix = parts.path.rstrip("/")
+        self.scheme, self.host, self.port, self.prefix = parsed.scheme, parsed.host, parsed.port, parsed.prefix
         self.timeout = timeout
 
     def open(self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
@@ -105,6 +113,38 @@ def decode_request(body: dict[str, Any], prefill_answer: dict[str, Any]) -> dict
     return {**body, "kv_transfer_params": params} if params is not None else dict(body)
 
 
+class Metrics:
+    """The proxy's counters and latency sums, as ``GET /metrics`` shows them (Prometheus text format)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def time(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self.counts[f"{name}_count"] += 1
+            self.seconds[name] += seconds
+
+    def render(self) -> str:
+        with self._lock:
+            lines = []
+            for name in sorted(self.counts):
+                kind = "summary" if name.endswith("_count") else "counter"
+                base = name.removesuffix("_count")
+                if kind == "counter":
+                    lines += [f"# TYPE kvbridge_proxy_{name}_total counter", f"kvbridge_proxy_{name}_total {self.counts[name]}"]
+                else:
+                    lines += [f"# TYPE kvbridge_proxy_{base}_seconds summary",
+                              f"kvbridge_proxy_{base}_seconds_count {self.counts[name]}",
+                              f"kvbridge_proxy_{base}_seconds_sum {self.seconds[base]:.6f}"]  # fmt: skip
+            return "\n".join(lines) + "\n"
+
+
 class ProxyServer(ThreadingHTTPServer):
     """The proxy's HTTP server; ``prefill``/``decode`` are picked round-robin per request."""
 
@@ -112,16 +152,37 @@ class ProxyServer(ThreadingHTTPServer):
 
     def __init__(self, listen: tuple[str, int], prefill: Sequence[Upstream], decode: Sequence[Upstream]):
         if not prefill or not decode:
-            raise ValueError("the proxy needs at least one prefill and one decode server")
+            raise ConfigError("the proxy needs at least one prefill and one decode server")
         self.prefill_servers, self.decode_servers = list(prefill), list(decode)
         self._prefill: Iterator[Upstream] = itertools.cycle(self.prefill_servers)
         self._decode: Iterator[Upstream] = itertools.cycle(self.decode_servers)
         self._lock = threading.Lock()
-        super().__init__(listen, _Handler)
+        self.metrics = Metrics()
+        if ":" in listen[0]:
+            self.address_family = __import__("socket").AF_INET6
+        try:
+            super().__init__(listen, _Handler)
+        except OSError as exc:
+            raise ConfigError(f"proxy: cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}") from exc
 
-    def pick(self) -> tuple[Upstream, Upstream]:
+    def pick(self) -> tuple[list[Upstream], Upstream]:
+        """Prefill servers in the order to try them (round-robin first), and a decode server."""
         with self._lock:
-            return next(self._prefill), next(self._decode)
+            first = next(self._prefill)
+            decode = next(self._decode)
+        i = self.prefill_servers.index(first)
+        return self.prefill_servers[i:] + self.prefill_servers[:i], decode
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up is not an error worth a traceback."""
+        import sys
+
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("client %s went away: %s", client_address, exc)
+            self.metrics.count("client_disconnects")
+            return
+        super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -133,20 +194,20 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- routes --------------------------------------------------------------------------------
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        if self.path == "/health":
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
             self._send_json(200, {"status": "ok"})
-        elif self.path == "/v1/models":
+        elif path == "/metrics":
+            self._send_bytes(200, self.server.metrics.render().encode(), "text/plain; version=0.0.4")
+        elif path == "/v1/models":
             _, decode = self.server.pick()
-            try:
-                self._relay(decode.open("GET", "/v1/models"))
-            except UpstreamError as exc:
-                self._send_error(exc)
+            self._forward(lambda: decode.open("GET", "/v1/models"))
         else:
-            self._send_json(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+            self._send_json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         path = self.path.split("?", 1)[0]
-        if path not in COMPLETION_PATHS:
+        if path not in COMPLETION_PATHS and path not in FORWARDED_POSTS:
             self._send_json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
             return
         try:
@@ -156,13 +217,46 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             self._send_json(400, {"error": {"message": "the request body must be a JSON object", "type": "invalid_request"}})
             return
-        prefill, decode = self.server.pick()
+        prefills, decode = self.server.pick()
         headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "x-request-id")}
+        json_headers = {**headers, "Content-Type": "application/json"}
+        if path in FORWARDED_POSTS:
+            self._forward(lambda: decode.open("POST", path, json.dumps(body).encode(), json_headers))
+            return
+        t0 = time.perf_counter()
+        self.server.metrics.count("requests")
         try:
-            answer = prefill.post_json(path, prefill_request(body), headers)
-            payload = json.dumps(decode_request(body, answer)).encode()
-            self._relay(decode.open("POST", path, payload, {**headers, "Content-Type": "application/json"}))
+            answer = self._prefill(prefills, path, body, headers)
+        except UpstreamError as exc:  # the client's own error (4xx): it sees the server's answer
+            self.server.metrics.count("client_errors")
+            self._send_error(exc)
+            return
+        self.server.metrics.time("prefill", time.perf_counter() - t0)
+        payload = json.dumps(decode_request(body, answer) if answer is not None else body).encode()
+        self._forward(lambda: decode.open("POST", path, payload, json_headers))
+        self.server.metrics.time("request", time.perf_counter() - t0)
+
+    def _prefill(self, prefills: Sequence[Upstream], path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
+        """The first prefill server's answer; ``None`` when every one failed (the decode server then
+        recomputes the prompt). A 4xx is the client's error and is raised."""
+        failures = []
+        for prefill in prefills:
+            try:
+                return prefill.post_json(path, prefill_request(body), headers)
+            except UpstreamError as exc:
+                if exc.status < 500:
+                    raise
+                failures.append(str(exc))
+                self.server.metrics.count("prefill_failures")
+        self.server.metrics.count("prefill_fallbacks")
+        log.warning("every prefill server failed (%s); decoding without a hand-off (the prompt is recomputed)", "; ".join(failures))
+        return None
+
+    def _forward(self, call: Callable[[], http.client.HTTPResponse]) -> None:
+        try:
+            self._relay(call())
         except UpstreamError as exc:
+            self.server.metrics.count("decode_failures")
             self._send_error(exc)
 
     # ---- responses -----------------------------------------------------------------------------
@@ -216,20 +310,46 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def make_server(prefill: Sequence[str], decode: Sequence[str], listen: str = "127.0.0.1:8000", timeout: float = 300.0) -> ProxyServer:
-    """A proxy bound to ``listen`` (``HOST:PORT``; port 0 picks a free one), not yet serving."""
-    host, _, port = listen.rpartition(":")
+    """A proxy bound to ``listen`` (``HOST:PORT``; port 0 picks a free one), not yet serving.
+    Bad input raises :class:`~kvbridge.errors.ConfigError` naming it."""
+    where = parse_host_port(listen, what="proxy --listen", allow_zero=True)
     return ProxyServer(
-        (host or "127.0.0.1", int(port)),
+        (where.host, where.port),
         [Upstream(u, timeout) for u in prefill],
         [Upstream(u, timeout) for u in decode],
     )
 
 
+def _checked(parse: Callable[[str], Any]) -> Callable[[str], str]:
+    """An argparse ``type`` that validates with ``parse`` and keeps the text (errors exit 2, no traceback)."""
+
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return check
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return value
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", action="append", required=True, metavar="URL", help="prefill server (repeatable)")
-    parser.add_argument("--decode", action="append", required=True, metavar="URL", help="decode server (repeatable)")
-    parser.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="where to listen (default %(default)s)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds an upstream may stay silent (default %(default)s)")
+    url = _checked(lambda t: parse_http_url(t, what="URL"))
+    parser.add_argument("--prefill", action="append", required=True, type=url, metavar="URL", help="prefill server (repeatable)")
+    parser.add_argument("--decode", action="append", required=True, type=url, metavar="URL", help="decode server (repeatable)")
+    parser.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="where to listen (default %(default)s)",
+                        type=_checked(lambda t: parse_host_port(t, what="HOST:PORT", allow_zero=True)))  # fmt: skip
+    parser.add_argument("--timeout", type=_positive, default=300.0, help="seconds an upstream may stay silent (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -246,4 +366,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["COMPLETION_PATHS", "ProxyServer", "Upstream", "UpstreamError", "configure", "decode_request", "make_server", "prefill_request", "run"]
+__all__ = ["COMPLETION_PATHS", "FORWARDED_POSTS", "Metrics", "ProxyServer", "Upstream", "UpstreamError", "configure", "decode_request", "make_server", "prefill_request", "run"]

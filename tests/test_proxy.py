@@ -1,4 +1,6 @@
-"""``kvbridge proxy`` against fake OpenAI-compatible upstreams (fast; the real servers are in test_api_server.py)."""
+"""``kvbridge proxy`` against stand-in OpenAI-compatible upstreams (fast; the real vLLM servers are in
+tests/vllm/test_api_server.py). The stand-ins are tiny HTTP servers: what is tested is the proxy's own
+routing, fallbacks, deadlines, validation and metrics, over real sockets."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from kvbridge import cli
+from kvbridge.errors import ConfigError
 from kvbridge.vllm.proxy import make_server
 
 
@@ -27,6 +31,9 @@ class FakeServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # the proxy hung up on this stand-in (deadline and disconnect tests): not what is tested
 
 
 class _FakeHandler(BaseHTTPRequestHandler):
@@ -74,8 +81,8 @@ class _FakeHandler(BaseHTTPRequestHandler):
 def proxy_for() -> Iterator[Any]:
     servers: list[Any] = []
 
-    def start(prefill: str, decode: str, timeout: float = 5.0) -> int:
-        srv = make_server([prefill], [decode], "127.0.0.1:0", timeout)
+    def start(prefill: str | list[str], decode: str, timeout: float = 5.0) -> int:
+        srv = make_server(prefill if isinstance(prefill, list) else [prefill], [decode], "127.0.0.1:0", timeout)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
         return int(srv.server_address[1])
@@ -123,14 +130,42 @@ def test_stream_passes_through_chunked(proxy_for: Any) -> None:
     assert [json.loads(e[5:])["choices"][0]["text"] for e in events[:3]] == ["t0", "t1", "t2"]
 
 
-def test_unreachable_prefill_is_502(proxy_for: Any) -> None:
+def get(port: int, path: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+def metrics(port: int) -> dict[str, float]:
+    status, data = get(port, "/metrics")
+    assert status == 200
+    return {k: float(v) for k, v in (line.split() for line in data.decode().splitlines() if not line.startswith("#"))}
+
+
+def test_dead_prefill_costs_latency_not_the_request(proxy_for: Any) -> None:
+    """No prefill server answers: the decode server gets the original request (no hand-off) and recomputes."""
     decode = FakeServer("decode")
     port = proxy_for(f"http://127.0.0.1:{free_port()}", decode.url)
-    status, data, _ = post(port, "/v1/completions", {"prompt": "hi"})
-    assert status == 502
-    err = json.loads(data)["error"]
-    assert err["type"] == "bad_gateway" and "127.0.0.1" in err["upstream"] and "ConnectionRefused" in err["message"]
-    assert decode.requests == []
+    status, data, _ = post(port, "/v1/completions", {"prompt": "hi", "max_tokens": 5})
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == "decoded"
+    assert decode.requests == [("/v1/completions", {"prompt": "hi", "max_tokens": 5})]  # no kv_transfer_params
+    m = metrics(port)
+    assert m["kvbridge_proxy_prefill_failures_total"] == 1 and m["kvbridge_proxy_prefill_fallbacks_total"] == 1
+
+
+def test_a_failing_prefill_server_is_skipped_for_the_next(proxy_for: Any) -> None:
+    broken, good, decode = FakeServer("prefill", status=500), FakeServer("prefill"), FakeServer("decode")
+    port = proxy_for([broken.url, good.url], decode.url)
+    for _ in range(2):  # round-robin starts once at each: both requests end on the good one
+        status, _, _ = post(port, "/v1/completions", {"prompt": "hi"})
+        assert status == 200
+    assert len(good.requests) == 2 and len(broken.requests) == 1
+    assert all(body["kv_transfer_params"] == {"remote": "p1", "block_ids": [1, 2]} for _, body in decode.requests)
+    m = metrics(port)
+    assert m["kvbridge_proxy_requests_total"] == 2 and m["kvbridge_proxy_prefill_failures_total"] == 1
+    assert "kvbridge_proxy_prefill_fallbacks_total" not in m
+    assert m["kvbridge_proxy_request_seconds_count"] == 2 and m["kvbridge_proxy_request_seconds_sum"] > 0
 
 
 def test_silent_decode_hits_the_deadline(proxy_for: Any) -> None:
@@ -145,9 +180,9 @@ def test_upstream_errors(proxy_for: Any) -> None:
     port = proxy_for(FakeServer("prefill", status=400).url, FakeServer("decode").url)
     status, data, _ = post(port, "/v1/completions", {"prompt": "hi"})
     assert status == 400 and json.loads(data)["error"]["message"] == "bad request from fake"  # the client's fault
-    port = proxy_for(FakeServer("prefill", status=500).url, FakeServer("decode").url)
+    port = proxy_for(FakeServer("prefill").url, FakeServer("decode", status=500).url)
     status, data, _ = post(port, "/v1/completions", {"prompt": "hi"})
-    assert status == 502 and "answered 500" in json.loads(data)["error"]["message"]
+    assert status == 500 and json.loads(data)["error"]["message"] == "bad request from fake"  # the decode's own answer
 
 
 def test_routes(proxy_for: Any) -> None:
@@ -160,3 +195,64 @@ def test_routes(proxy_for: Any) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     conn.request("POST", "/v1/completions", b"[1, 2]", {"Content-Type": "application/json"})
     assert conn.getresponse().status == 400
+
+
+def test_tokenize_and_detokenize_go_to_a_decode_server(proxy_for: Any) -> None:
+    prefill, decode = FakeServer("prefill"), FakeServer("decode")
+    port = proxy_for(prefill.url, decode.url)
+    for path in ("/tokenize", "/detokenize"):
+        status, data, _ = post(port, path, {"prompt": "hi"})
+        assert status == 200 and json.loads(data)["echo"] == {"prompt": "hi"}
+    assert [p for p, _ in decode.requests] == ["/tokenize", "/detokenize"] and prefill.requests == []
+
+
+def test_a_client_that_hangs_up_leaves_no_traceback(proxy_for: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    port = proxy_for(FakeServer("prefill").url, FakeServer("decode", delay=0.5).url)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        body = json.dumps({"prompt": "hi", "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST on close
+    time.sleep(1.5)  # the decode answer arrives for a client that is gone
+    assert get(port, "/health")[0] == 200, "the proxy still serves"
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "listen,prefill,message",
+    [
+        ("127.0.0.1:99999", "http://127.0.0.1:1", "port 99999"),
+        ("127.0.0.1", "http://127.0.0.1:1", "expected HOST:PORT"),
+        ("127.0.0.1:0", "foo", "not a URL"),
+        ("127.0.0.1:0", "ftp://127.0.0.1:21", "not an http"),
+        ("127.0.0.1:0", "http://127.0.0.1:70000", "no usable"),
+    ],
+)
+def test_bad_addresses_are_named_errors(listen: str, prefill: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_server([prefill], ["http://127.0.0.1:2"], listen)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["proxy", "--prefill", "foo", "--decode", "http://127.0.0.1:2"],
+        ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--listen", "127.0.0.1:99999"],
+        ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--listen", "127.0.0.1"],
+        ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--timeout", "0"],
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
+
+
+def test_listen_on_a_port_in_use_is_a_named_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(ConfigError, match="cannot listen"):
+            make_server(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], f"127.0.0.1:{s.getsockname()[1]}")
