@@ -86,8 +86,12 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
 
 def parse_options(cls: type[T], data: Mapping[str, Any] | None, *, where: str = "") -> T:
     """Build the options dataclass ``cls`` from ``data``; see the module docstring for the rules."""
-    data = dict(data or {})
     label = f"{where} " if where else ""
+    if data is not None and not isinstance(data, Mapping):
+        raise ConfigError(f"{label}options must be a mapping of option names to values, got {type(data).__name__} {data!r}")
+    if data is not None and not all(isinstance(k, str) for k in data):
+        raise ConfigError(f"{label}option names must be strings, got {sorted(map(repr, data))}")
+    data = dict(data or {})
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:

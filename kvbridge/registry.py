@@ -72,6 +72,8 @@ def get(name: str) -> type[Backend]:
     """The backend class for ``name``: :class:`UnknownBackend` lists the known names;
     :class:`MissingDependency` says what to install."""
     specs = available()
+    if not isinstance(name, str):
+        raise UnknownBackend(f"a backend name is a string (one of {sorted(specs)}), got {type(name).__name__} {name!r}")
     spec = specs.get(name)
     if spec is None:
         raise UnknownBackend(f"unknown kvbridge backend {name!r}; known: {sorted(specs)}")

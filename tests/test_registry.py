@@ -77,3 +77,16 @@ def test_cli_backends_and_version(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert kvbridge.__version__ in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("options", ["demo", ["path", "/tmp"], 3, {1: "x"}])
+def test_options_that_are_not_a_mapping_are_a_config_error(options):
+    """Not a ValueError from dict(): the API raises only kvbridge errors for bad arguments."""
+    with pytest.raises(kvbridge.ConfigError, match="option"):
+        kvbridge.create_backend("memory", options)
+
+
+@pytest.mark.parametrize("name", [None, 3, ("memory",)])
+def test_a_backend_name_that_is_not_a_string_is_named(name):
+    with pytest.raises(kvbridge.UnknownBackend, match="string"):
+        kvbridge.create_backend(name, {})
