@@ -7,7 +7,11 @@ depends on its whole prefix). The key of block ``i`` is::
     key[i]  = sha256(key[i-1] + tokens[i*B:(i+1)*B] as little-endian int64)[:KEY_BYTES]
 
 where ``B`` is the block size and ``namespace`` separates what must not share KV (model, adapter,
-cache salt). Only full blocks have keys. The hash depends on nothing but its inputs: it is the same
+cache salt). A block whose KV depends on more than its token ids — an image behind placeholder
+tokens, prompt embeddings — gets that too, as ``extras[i]`` (bytes naming it, e.g. the image's hash
+and where it starts in the block), folded in as ``sha256(key[i-1] + tokens + b"\x00extra" + extras[i])``;
+the chain carries it into every later key. Blocks without extras keep the plain form. Only full
+blocks have keys. The hash depends on nothing but its inputs: it is the same
 in every process, on every machine, whatever ``PYTHONHASHSEED`` says (Python's ``hash()`` is salted
 per process and is never used). Engines that compute their own stable hashes can pass them through
 :func:`engine_keys` instead.
@@ -16,12 +20,13 @@ per process and is never used). Engines that compute their own stable hashes can
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
 KEY_BYTES = 16
 _DOMAIN = b"kvbridge-keys-v1"
+_EXTRA = b"\x00extra"  # never a suffix of whole int64 tokens alone: the lengths differ
 
 
 def namespace_key(namespace: str | bytes = b"") -> bytes:
@@ -36,10 +41,12 @@ def block_keys(
     *,
     namespace: str | bytes = b"",
     parent: bytes | None = None,
+    extras: Mapping[int, bytes] | None = None,
 ) -> list[bytes]:
     """Keys of every full block of ``token_ids``; a trailing partial block has none.
 
-    ``parent`` continues a chain (the key of the block just before ``token_ids[0]``).
+    ``parent`` continues a chain (the key of the block just before ``token_ids[0]``); ``extras`` maps
+    a block's index to what else its KV depends on (see the module docstring).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
@@ -48,8 +55,11 @@ def block_keys(
     step = block_size * 8
     prev = namespace_key(namespace) if parent is None else parent
     keys: list[bytes] = []
-    for off in range(0, len(raw), step):
-        prev = hashlib.sha256(prev + raw[off : off + step]).digest()[:KEY_BYTES]
+    extras = extras or {}
+    for i, off in enumerate(range(0, len(raw), step)):
+        extra = extras.get(i)
+        data = prev + raw[off : off + step] if extra is None else prev + raw[off : off + step] + _EXTRA + extra
+        prev = hashlib.sha256(data).digest()[:KEY_BYTES]
         keys.append(prev)
     return keys
 

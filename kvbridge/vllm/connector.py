@@ -40,11 +40,14 @@ core's :class:`~kvbridge.lifecycle.LoadBook`, so every engine gets it, not only 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import logging
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
+
+import torch
 
 from kvbridge import registry
 from kvbridge.contract import (
@@ -171,6 +174,30 @@ def engine_info(vllm_config: Any, kv_cache_config: Any, *, worker: bool, namespa
     )
 
 
+def block_extras(request: Any, block_size: int, num_blocks: int) -> dict[int, bytes]:
+    """What each full block's KV depends on beyond its token ids, for :func:`~kvbridge.keys.block_keys`.
+
+    - every multimodal item (``request.mm_features``) over the blocks its placeholder tokens cover:
+      its identifier (vLLM's content hash of the image, audio, ...) and its offset from the block's
+      start, so two prompts that differ only in an image never share a key from that block on;
+    - prompt embeddings (``request.prompt_embeds``): each block's slice of them, hashed.
+    """
+    parts: dict[int, list[bytes]] = {}
+    for feature in getattr(request, "mm_features", None) or ():
+        pos, ident = feature.mm_position, str(feature.identifier)
+        first, last = pos.offset // block_size, min((pos.offset + pos.length - 1) // block_size, num_blocks - 1)
+        for b in range(first, last + 1):  # per item, only the blocks it covers
+            parts.setdefault(b, []).append(f"mm|{ident}|{pos.offset - b * block_size}".encode())
+    embeds = getattr(request, "prompt_embeds", None)
+    if embeds is not None and num_blocks:
+        rows = embeds[: num_blocks * block_size].detach().cpu().contiguous()
+        raw = rows.view(torch.uint8).numpy().tobytes() if rows.numel() else b""
+        per = len(raw) // max(1, num_blocks)
+        for b in range(num_blocks):
+            parts.setdefault(b, []).append(b"embeds|" + hashlib.sha256(raw[b * per : (b + 1) * per]).digest())
+    return {b: b"\x00".join(p) for b, p in parts.items()}
+
+
 def split_extra_config(fixed_backend: str | None, extra: Mapping[str, Any] | None) -> tuple[str, dict[str, Any], str | None]:
     """``kv_connector_extra_config`` -> (backend name, backend options, namespace override)."""
     options = dict(extra or {})
@@ -280,7 +307,8 @@ class SchedulerAdapter:
             lora = getattr(request, "lora_request", None)
             if lora is not None:
                 namespace += f"|lora={getattr(lora, 'lora_name', lora)}"
-            keys = tuple(block_keys(tokens, self.engine.block_size, namespace=namespace))
+            extras = block_extras(request, self.engine.block_size, len(tokens) // self.engine.block_size)
+            keys = tuple(block_keys(tokens, self.engine.block_size, namespace=namespace, extras=extras))
             info = RequestInfo(request.request_id, tokens, keys, getattr(request, "kv_transfer_params", None))
             self._requests[request.request_id] = info
         return info

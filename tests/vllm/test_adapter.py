@@ -306,3 +306,43 @@ print("LOADED", c.VLLM_VERSION)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "REFUSED vLLM 0.20.1 is too old for kvbridge; kvbridge's connectors support vLLM 0.32 and 0.33" in out.stdout, out
     assert "LOADED 0.34.0" in out.stdout and "vLLM 0.34.0 is untested" in out.stderr, out
+
+
+def _vllm_request(rid: str, tokens: list[int], images: list[tuple[str, int, int]] = (), embeds: Any = None) -> Any:
+    """A real vLLM ``Request``; ``images`` = (content hash, placeholder offset, length)."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    features = [MultiModalFeatureSpec(data=None, modality="image", identifier=h, mm_position=PlaceholderRange(off, n))
+                for h, off, n in images]  # fmt: skip
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None, mm_features=features or None, prompt_embeds=embeds)
+
+
+def test_multimodal_prompts_never_share_keys_past_their_images(vl: Any) -> None:
+    """Same placeholder tokens, different images: keys agree before the image's first block, differ from it on."""
+    s = engine(vl, "kv_both", "mm").sched._scheduler
+    tokens = [7] * (5 * BS)  # placeholder ids, as a processor leaves them
+    cat = s.info(_vllm_request("cat", tokens, [("img-cat", 2 * BS + 5, 40)])).block_keys
+    dog = s.info(_vllm_request("dog", tokens, [("img-dog", 2 * BS + 5, 40)])).block_keys
+    moved = s.info(_vllm_request("moved", tokens, [("img-cat", 2 * BS + 6, 40)])).block_keys
+    again = s.info(_vllm_request("cat-again", tokens, [("img-cat", 2 * BS + 5, 40)])).block_keys
+    plain = s.info(_vllm_request("plain", tokens)).block_keys
+    assert len(cat) == 5
+    assert cat[:2] == dog[:2] == plain[:2], "blocks before the image are shared"
+    assert all(a != b for a, b in zip(cat[2:], dog[2:])), "another image: no key shared from its first block on"
+    assert all(a != b for a, b in zip(cat[2:], moved[2:])), "the same image elsewhere is other KV"
+    assert all(a != b for a, b in zip(cat[2:], plain[2:]))
+    assert cat == again, "the same image at the same place: the same keys (a hit)"
+
+
+def test_prompt_embeddings_fold_into_keys(vl: Any) -> None:
+    s = engine(vl, "kv_both", "emb").sched._scheduler
+    tokens = [0] * (3 * BS)
+    base = torch.randn(3 * BS, 8)
+    other = base.clone()
+    other[BS + 3, 0] += 1.0  # one value in block 1
+    a = s.info(_vllm_request("a", tokens, embeds=base)).block_keys
+    b = s.info(_vllm_request("b", tokens, embeds=other)).block_keys
+    assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]
+    assert s.info(_vllm_request("c", tokens, embeds=base.clone())).block_keys == a
