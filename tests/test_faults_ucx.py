@@ -389,7 +389,42 @@ def test_num_tokens_never_exceeds_the_named_blocks(tmp_path: Path, num_tokens: i
     assert scheduler.lookup(req, 0).num_tokens == expected
     scheduler.on_allocated(req, list(range(7)), expected)
     (load,) = scheduler.plan_step([]).loads
-    assert len(load.block_ids) == len(load.source["remote_block_ids"]) == expected // 16
+    assert len(load.block_ids) == len(load.source.remote_block_ids) == expected // 16
+
+
+def test_scheduler_load_life_cycle(tmp_path: Path) -> None:
+    """The consumer scheduler on the core's LoadBook: the plan's source is a typed UcxSource; a request that
+    ends before its pull went out frees at once, one that ends mid-pull is held and named in the next plan;
+    a failed pull is never offered again (the engine recomputes)."""
+    from kvbridge.connectors.ucx import UcxSource
+
+    from kvbridge.contract import RequestInfo  # (ruff's isort keeps kvbridge.connectors apart)
+
+    scheduler = _scheduler(tmp_path)
+    params = _good_params(grant="")
+
+    def admitted(rid: str, blocks: list[int]) -> RequestInfo:
+        req = RequestInfo(rid, tuple(range(100)), (), params)
+        assert scheduler.lookup(req, 0).num_tokens == 48
+        scheduler.on_allocated(req, blocks, 48)
+        return req
+
+    dropped = admitted("dropped", [7, 8, 9, 10])
+    assert not scheduler.on_finished(dropped, [7, 8, 9, 10]).delay_free  # never handed to a worker
+    assert scheduler.plan_step([]).loads == ()
+
+    ended, failed = admitted("ended", [7, 8, 9, 10]), admitted("failed", [20, 21, 22, 23])
+    plan = scheduler.plan_step([])
+    assert {op.request_id for op in plan.loads} == {"ended", "failed"}
+    source = plan.loads[0].source
+    assert isinstance(source, UcxSource) and source.remote_block_ids == (3, 1, 2) and source.remote_request_id == "r"
+    assert scheduler.on_finished(ended, [7, 8, 9, 10]).delay_free  # the pull still writes its blocks
+    assert scheduler.plan_step([]).held == ("ended",)
+
+    scheduler.on_report(WorkerReport(frozenset({"ended", "failed"}), frozenset(), frozenset({21})))
+    assert scheduler.lookup(failed, 0).num_tokens == 0  # the failed-load guard
+    assert not scheduler.on_finished(failed, [20, 21, 22, 23]).delay_free
+    assert scheduler.lookup(failed, 0).num_tokens == 48  # a new life of the id: offered again
 
 
 def _closed_port() -> int:

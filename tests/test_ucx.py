@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
 
 from kvbridge.connectors.ucx import UcxBackend, UcxOptions, UcxWorker  # noqa: E402
-from kvbridge.connectors.ucx import runtime as _ucx_runtime  # noqa: E402
+from kvbridge.connectors.ucx import runtime as rtmod  # noqa: E402
 
 import kvbridge  # noqa: E402
 from kvbridge.contract import WorkerReport  # noqa: E402
@@ -127,12 +127,12 @@ def test_options_are_checked() -> None:
 
 
 def test_cma_is_excluded_unless_chosen() -> None:
-    rt = _ucx_runtime.runtime()
-    if "UCX_TLS" not in os.environ or os.environ["UCX_TLS"] == _ucx_runtime.DEFAULT_TLS:
-        assert rt.tls == _ucx_runtime.DEFAULT_TLS
+    rt = rtmod.runtime()
+    if "UCX_TLS" not in os.environ or os.environ["UCX_TLS"] == rtmod.DEFAULT_TLS:
+        assert rt.tls == rtmod.DEFAULT_TLS
 
         async def transports() -> set[str]:
-            return set(_ucx_runtime.ucx.get_active_transports())
+            return set(rtmod.ucx.get_active_transports())
 
         assert "cma" not in rt.call(transports(), 5.0)
 

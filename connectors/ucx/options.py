@@ -1,0 +1,81 @@
+"""What a user sets for the ``ucx`` backend (:class:`UcxOptions`) and what it counts (:class:`UcxStats`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from kvbridge.connectors.ucx import onesided
+
+from kvbridge.options import require
+from kvbridge.stats import TransferStats
+
+
+@dataclasses.dataclass(frozen=True)
+class UcxOptions:
+    """Options of the ``ucx`` backend (``kv_connector_extra_config``); every one has a loopback default.
+
+    - ``advertise_host``: the host consumers dial for this engine's metadata server (and the one it
+      listens on, unless ``listen_host``).
+    - ``listen_host``: bind the metadata server here instead (e.g. ``0.0.0.0`` in a container).
+    - ``metadata_port``: 0 = a free port per worker, published in ``registry_dir``; N = rank r listens on N+r.
+    - ``registry_dir``: where workers publish their metadata address for their scheduler
+      (default: ``$TMPDIR/kvbridge-ucx-<uid>``).
+    - ``timeout_s``: a transfer step (handshake, status, each chunk) without progress for this long fails.
+    - ``lease_s``: a producer frees a request's blocks this long after it finished if no release came.
+    - ``chunk_bytes`` / ``max_inflight``: the pull moves chunks of about this many bytes, this many at once.
+    - ``progress_mode``: ucxx progress, process-wide: "thread" (default), "blocking", "thread-polling",
+      "polling". "blocking" progresses UCX on the runtime's loop thread: measured here ~2x the bulk
+      throughput of "thread" (see kvbridge.bench.ucx_baselines) but slower small-message round trips.
+    - ``ucx_tls``: UCX_TLS for this process (wins over the environment; default ``^cma``); process-wide.
+    - ``lane``: how a consumer reads: "auto" (default: one-sided ``cma`` on one host, else one-sided
+      ``ucp`` GET with peer error handling, else the two-sided path when the native module is missing),
+      "cma", "ucp", "ucp-unsafe" (UCX may pick cma with error handling off: a dying producer can abort
+      the consumer), "two-sided" (tag sends served by the producer's Python). See
+      :mod:`kvbridge.connectors.ucx.onesided`.
+    - ``token``: shared token of the metadata plane (both sides must agree).
+    """
+
+    advertise_host: str = "127.0.0.1"
+    listen_host: str = ""
+    metadata_port: int = 0
+    registry_dir: str = ""
+    timeout_s: float = 10.0
+    lease_s: float = 60.0
+    chunk_bytes: int = 16 << 20
+    max_inflight: int = 3
+    progress_mode: Literal["thread", "thread-polling", "blocking", "polling"] = "thread"
+    ucx_tls: str = ""
+    token: str | None = None
+    lane: Literal["auto", "cma", "ucp", "ucp-unsafe", "two-sided"] = "auto"
+
+    def __post_init__(self) -> None:
+        require(bool(self.advertise_host), "advertise_host must not be empty")
+        require(0 <= self.metadata_port < 65536, f"metadata_port={self.metadata_port} outside [0, 65535]")
+        require(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be > 0")
+        require(self.lease_s > 0, f"lease_s={self.lease_s} must be > 0")
+        require(self.chunk_bytes >= 4096, f"chunk_bytes={self.chunk_bytes} must be >= 4096")
+        require(1 <= self.max_inflight <= 64, f"max_inflight={self.max_inflight} outside [1, 64]")
+        require(self.token is None or bool(self.token), "token must be non-empty (or unset)")
+        require(self.lane in onesided.LANES, f"lane={self.lane!r} is not one of {', '.join(onesided.LANES)}")
+
+    @property
+    def registry(self) -> Path:
+        return Path(self.registry_dir or Path(tempfile.gettempdir()) / f"kvbridge-ucx-{os.getuid()}")
+
+
+@dataclasses.dataclass
+class UcxStats(TransferStats):
+    """:class:`TransferStats` plus what a producer sees: pulls served or refused, releases, expired leases."""
+
+    served_pulls: int = 0
+    served_bytes: int = 0
+    refused_pulls: int = 0
+    releases: int = 0
+    expired_leases: int = 0
+
+
+__all__ = ["UcxOptions", "UcxStats"]

@@ -1,0 +1,148 @@
+"""What crosses between the two engines and from scheduler to worker, typed and checked.
+
+- *Transfer params* (a producer's :attr:`FinishDecision.transfer_params`, carried by a client or a P/D
+  proxy to the consumer): written by :func:`handoff_params`, and every field checked by
+  :func:`usable_params` before the consumer's scheduler or the wire sees it — they come from outside.
+- :class:`UcxSource` — a consumer's ``BlockLoad.source``: the hand-off a load reads from.
+- :class:`UcxPlan` (``StepPlan.extra["ucx"]``) and :class:`Hold` — a producer scheduler's word to its
+  workers: the grant key and the requests it holds.
+
+All frozen dataclasses of plain values, so a plan crosses processes in any encoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvbridge.connectors.ucx import onesided
+from kvbridge.connectors.ucx.wire import MAX_BLOCK_ID, MAX_ID_BYTES, MAX_PULL_IDS
+
+PARAMS_VERSION = 1  # transfer_params["kvbridge_version"]
+PLAN = "ucx"  # StepPlan.extra key of the scheduler's UcxPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Hold:
+    """A finished request whose blocks the engine keeps for a consumer until ``expires_at`` (wall clock)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    expires_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class UcxPlan:
+    """What a producer's scheduler tells its workers each step (``StepPlan.extra["ucx"]``): the key that
+    signs its grants (sent every step, so a worker can check any grant its scheduler issued, also while
+    the engine is idle afterwards) and the requests it now holds (for lease expiry)."""
+
+    grant_key: bytes
+    holds: tuple[Hold, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class UcxSource:
+    """A consumer load's ``BlockLoad.source``: which producer holds the blocks and under what hand-off.
+
+    ``remote_block_ids`` are the producer's blocks for this load's local ones, in order;
+    ``metadata_addresses`` one per producer rank (empty: rank 0's ``metadata_address`` only);
+    ``grant`` the producer scheduler's signature over the hand-off (empty from an older producer).
+    """
+
+    engine_id: str
+    metadata_address: str
+    metadata_addresses: tuple[str, ...]
+    remote_request_id: str
+    remote_block_ids: tuple[int, ...]
+    expires_at: float
+    grant: bytes = b""
+
+    @classmethod
+    def of(cls, params: Mapping[str, Any], remote_block_ids: tuple[int, ...]) -> UcxSource:
+        """From :func:`usable_params`' output (already checked), for the named slice of its blocks."""
+        return cls(
+            engine_id=str(params["engine_id"]),
+            metadata_address=str(params["metadata_address"]),
+            metadata_addresses=tuple(map(str, params.get("metadata_addresses", ()))),
+            remote_request_id=str(params["request_id"]),
+            remote_block_ids=remote_block_ids,
+            expires_at=float(params["expires_at"]),
+            grant=bytes.fromhex(str(params.get("grant", ""))),
+        )
+
+
+def handoff_params(engine_id: str, request_id: str, block_ids: tuple[int, ...], num_tokens: int, expires_at: float,
+                   grant_key: bytes, addresses: Sequence[str | None]) -> dict[str, Any]:
+    """The transfer params a producer hands out for ``request_id`` (JSON-able: they travel through clients)."""
+    params: dict[str, Any] = {
+        "kvbridge_version": PARAMS_VERSION,
+        "engine_id": engine_id,
+        "metadata_address": addresses[0],
+        "request_id": request_id,
+        "block_ids": list(block_ids),
+        "num_tokens": num_tokens,
+        "expires_at": expires_at,
+        "grant": onesided.sign(grant_key, engine_id, request_id, expires_at, block_ids).hex(),
+    }
+    if len(addresses) > 1 and all(addresses):
+        params["metadata_addresses"] = list(addresses)
+    return params
+
+
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_id(v: Any) -> bool:
+    """An engine or request id the wire can carry: 1 to ``MAX_ID_BYTES`` bytes of utf-8."""
+    try:
+        return isinstance(v, str) and 0 < len(v.encode()) <= MAX_ID_BYTES
+    except UnicodeEncodeError:
+        return False
+
+
+def _is_address(v: Any) -> bool:
+    m = _HOST_PORT.fullmatch(v) if isinstance(v, str) else None
+    return m is not None and 0 < int(m.group(2)) < 65536
+
+
+def usable_params(params: Any) -> Mapping[str, Any] | None:
+    """``params`` if they are transfer params this version can act on, else ``None`` (a miss): they come
+    from a client or a proxy, so every field is checked here, before the scheduler or the wire sees it."""
+    if not isinstance(params, Mapping) or not _is_int(params.get("kvbridge_version")):
+        return None
+    if params["kvbridge_version"] != PARAMS_VERSION:
+        return None
+    try:
+        ids, n, expires_at = params["block_ids"], params["num_tokens"], float(params["expires_at"])
+        names, address = (params["engine_id"], params["request_id"]), params["metadata_address"]
+        many = params.get("metadata_addresses", ())
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+    if not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= MAX_PULL_IDS:
+        return None
+    if not all(_is_int(b) and 0 <= b <= MAX_BLOCK_ID for b in ids):
+        return None
+    if not _is_int(n) or n <= 0 or not math.isfinite(expires_at) or expires_at < time.time():
+        return None
+    if not all(is_id(v) for v in names) or not _is_address(address):
+        return None
+    if not isinstance(many, (list, tuple)) or not all(_is_address(a) for a in many):
+        return None
+    grant = params.get("grant", "")
+    if not isinstance(grant, str) or len(grant) > 256 or not re.fullmatch(r"(?:[0-9a-f]{2})*", grant):
+        return None
+    if grant and not onesided.grant_covers(bytes.fromhex(grant), ids):  # ids altered on the way
+        return None
+    return params
+
+
+__all__ = ["PARAMS_VERSION", "PLAN", "Hold", "UcxPlan", "UcxSource", "handoff_params", "is_id", "usable_params"]

@@ -1,0 +1,312 @@
+"""A consumer worker's pulling half (roles ``consumer``/``both``): handshakes, reads or pulls, releases.
+
+Per producer address it handshakes once (cached with the endpoint or the one-sided source). Per load:
+
+- *one-sided* (:mod:`.onesided`): read every block straight into the KV in one batch, then release;
+  the blocks count only if the producer answers that it held them throughout (all or nothing);
+- *two-sided*: post the receives, send the :class:`~.wire.Pull`, receive each chunk into a staging
+  buffer — never into the KV, so a late, partial or timed-out chunk never touches a block — scatter it
+  (one op per layer), and finally release the producer's request.
+
+Every wait has a deadline (``timeout_s`` without progress); a dead, unreachable or refusing producer
+ends the load with its missing blocks failed (the engine recomputes them), never a hang. After a
+failure that may leave stale state, the peer is dropped and handshaken anew next time.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from kvbridge.connectors.ucx import onesided, wire
+from kvbridge.connectors.ucx import runtime as rtmod
+from kvbridge.connectors.ucx.options import UcxOptions, UcxStats
+from kvbridge.connectors.ucx.params import UcxSource, is_id
+from kvbridge.connectors.ucx.staging import StagingPool, bury, chunk, sync
+
+from kvbridge import native
+from kvbridge.contract import BlockLoad, EngineInfo
+from kvbridge.errors import KVBridgeError, PeerUnreachable, ProtocolError, TransferError, TransferTimeout
+from kvbridge.layout import KVLayout
+from kvbridge.metadata.client import MetadataClient
+from kvbridge.metadata.types import PeerInfo
+
+log = logging.getLogger(__name__)
+
+LOAD_THREADS = 4  # loads a consumer worker runs at once
+
+
+@dataclasses.dataclass
+class _Peer:
+    """One producer worker, handshaken: its metadata client and either an endpoint or a one-sided source."""
+
+    client: MetadataClient
+    info: PeerInfo
+    ep: Any = None  # ucxx endpoint (two-sided)
+    source: onesided.Source | None = None  # one-sided reads
+
+    def close(self, rt: rtmod.Runtime) -> None:
+        if self.ep is not None:
+            rt.close_endpoint(self.ep)
+        if self.source is not None:
+            self.source.close()
+        self.client.close()
+
+
+def _wait(fut: concurrent.futures.Future[Any], timeout: float, what: str, producer: str) -> None:
+    """Wait for one posted receive; every way it can fail becomes a kvbridge error."""
+    try:
+        fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise TransferTimeout(f"{what}: nothing from {producer} for {timeout:g}s") from None
+    except rtmod.ucx.exceptions.UCXMessageTruncatedError:  # more bytes than asked: never scattered
+        raise ProtocolError(f"{what} from {producer} is larger than its blocks") from None
+    except rtmod.ucx.exceptions.UCXError as exc:
+        raise PeerUnreachable(f"{what} from {producer}: {exc}") from None
+
+
+class Puller:
+    """A consumer worker's pulling half: handshakes (cached per producer address), pulls, releases."""
+
+    def __init__(self, options: UcxOptions, engine: EngineInfo, layout: KVLayout, rt: rtmod.Runtime, stats: UcxStats):
+        self.options, self.engine, self.layout, self.rt, self.stats = options, engine, layout, rt, stats
+        self.info = PeerInfo(engine.engine_id, engine.rank, layout.fingerprint, {wire.WORKER_ADDRESS: rt.worker_address})
+        self.addressing = layout.addressing()  # where our blocks live, for one-sided reads into them
+        self._peers: dict[str, _Peer] = {}
+        self._staging = StagingPool(layout, LOAD_THREADS * options.max_inflight)
+        self._peer_locks: collections.defaultdict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._lock = threading.Lock()
+
+    # ---- peers ----
+    def _address(self, src: UcxSource) -> str:
+        if len(src.metadata_addresses) > self.engine.rank:
+            return src.metadata_addresses[self.engine.rank]
+        if self.engine.rank == 0:
+            return src.metadata_address
+        raise ProtocolError(f"the producer published no metadata address for rank {self.engine.rank}")
+
+    def _peer(self, address: str, src: UcxSource) -> _Peer:
+        with self._lock:
+            lock = self._peer_locks[address]
+        with lock:  # one handshake per producer, even with many loads starting at once
+            peer = self._peers.get(address)
+            if peer is not None:
+                return peer
+            client = MetadataClient(address, token=self.options.token, timeout=self.options.timeout_s / 2, retries=1)
+            try:
+                peer = self._handshake(client, src)
+            except BaseException:
+                client.close()
+                raise
+            self._peers[address] = peer
+            return peer
+
+    def _handshake(self, client: MetadataClient, src: UcxSource) -> _Peer:
+        lane = self.options.lane
+        mod, why = native.load() if lane != "two-sided" else (None, "lane='two-sided'")
+        if mod is None and lane != "auto" and lane != "two-sided":
+            raise PeerUnreachable(f"lane={lane!r} needs the native module: {why}")
+        if mod is not None:  # ask for one-sided access, naming the hand-off that entitles us to it
+            ask = onesided.encode_ask(src.remote_request_id, src.grant)
+            theirs = client.handshake(dataclasses.replace(self.info, transport={onesided.ASK: ask}))
+            source = onesided.open_source(theirs, self.layout, lane, self.options.ucx_tls)
+            if source is not None:
+                return _Peer(client, theirs, source=source)
+        theirs = client.handshake(self.info)
+        ep = self.rt.call(self.rt.connect(theirs.transport[wire.WORKER_ADDRESS]), self.options.timeout_s)
+        return _Peer(client, theirs, ep=ep)
+
+    def _drop(self, address: str) -> None:
+        with self._lock:
+            lock = self._peer_locks[address]
+        with lock:
+            peer = self._peers.pop(address, None)
+        if peer is not None:
+            peer.close(self.rt)
+
+    # ---- a load ----
+    def load(self, op: BlockLoad) -> set[int]:
+        """Pull ``op``; return the local block ids that did not arrive. Never raises."""
+        src = op.source
+        if not isinstance(src, UcxSource):  # not a plan of a ucx scheduler: nothing to pull from
+            log.error("%s: load of %s names no ucx source (%r)", self.engine.engine_id, op.request_id, type(src).__name__)
+            return set(op.block_ids)
+        address = ""
+        try:
+            address = self._address(src)
+            peer = self._peer(address, src)
+        except Exception as exc:  # noqa: BLE001 - every failure is a failed block, recomputed by the engine
+            self._log_failure(op, src, 0, exc)
+            self._release(address, src, ok=False)  # no address: nobody to release to
+            return set(op.block_ids)
+        if peer.source is not None:
+            return self._read(address, peer, op, src)
+        return self._pull_two_sided(address, peer, op, src)
+
+    def _log_failure(self, op: BlockLoad, src: UcxSource, arrived: int, exc: Exception) -> None:
+        log.log(logging.WARNING if isinstance(exc, KVBridgeError) else logging.ERROR,
+                "%s: pull of %s from %s failed after %d of %d blocks: %s: %s", self.engine.engine_id,
+                op.request_id, src.engine_id, arrived, len(op.block_ids), type(exc).__name__, exc,
+                exc_info=not isinstance(exc, KVBridgeError))
+
+    def _release(self, address: str, src: UcxSource, *, ok: bool) -> None:
+        """Tell the producer we are done (``aborted`` unless ``ok``); a failure leaves it to the lease."""
+        rid = src.remote_request_id
+        if not address or not rid:
+            return
+        with self._lock:
+            peer = self._peers.get(address)
+        client = peer.client if peer is not None else MetadataClient(address, token=self.options.token,
+                                                                     timeout=self.options.timeout_s / 2, retries=1)
+        try:
+            client.release(self.engine.engine_id, rid, aborted=not ok, grant=src.grant)
+        except KVBridgeError as exc:  # the producer's lease frees the blocks instead
+            log.info("%s: release of %s at %s failed: %s", self.engine.engine_id, rid, address, exc)
+        finally:
+            if peer is None:
+                client.close()
+
+    # ---- one-sided ----
+    def _read(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource) -> set[int]:
+        """One-sided: read every block straight into the KV, then count them only if the producer confirms
+        it held them throughout (see :mod:`kvbridge.connectors.ucx.onesided`). All or nothing."""
+        assert peer.source is not None
+        rid, t0 = src.remote_request_id, time.perf_counter()
+        try:
+            self._read_blocks(peer.source, op, src)
+        except Exception as exc:  # noqa: BLE001 - nothing counts; the producer frees its blocks
+            log.warning("%s: one-sided read of %s from %s (%s) failed: %s: %s", self.engine.engine_id, op.request_id,
+                        src.engine_id, peer.source.lane, type(exc).__name__, exc)
+            self._drop(address)  # a dead or restarted producer: handshake anew next time
+            self._release(address, src, ok=False)
+            return set(op.block_ids)
+        held = False
+        try:
+            held = peer.client.release(self.engine.engine_id, rid, aborted=False, grant=src.grant)
+        except KVBridgeError as exc:
+            log.warning("%s: producer %s did not confirm %s after the read: %s", self.engine.engine_id,
+                        src.engine_id, rid, exc)
+            self._drop(address)
+        if not held:
+            log.warning("%s: producer %s no longer held %s when the read ended: %d blocks not counted",
+                        self.engine.engine_id, src.engine_id, rid, len(op.block_ids))
+            return set(op.block_ids)
+        nbytes = len(op.block_ids) * self.layout.num_layers * self.layout.block_bytes
+        self.stats.add(load_bytes=nbytes, load_blocks=len(op.block_ids), load_seconds=time.perf_counter() - t0)
+        return set()
+
+    def _read_blocks(self, source: onesided.Source, op: BlockLoad, src: UcxSource) -> None:
+        """The read itself, after the checks that make it safe to start; raises on any failure."""
+        rid = src.remote_request_id
+        remote = np.asarray(src.remote_block_ids, dtype=np.int64)
+        if len(remote) != len(op.block_ids):
+            raise ProtocolError(f"{len(op.block_ids)} local blocks for {len(remote)} remote ones")
+        if not src.grant:  # without one the producer could confirm blocks it never handed off for this request
+            raise ProtocolError(f"transfer params of {rid} carry no grant: a one-sided read needs one")
+        if src.expires_at < time.time():
+            raise ProtocolError(f"the lease of {rid} at {src.engine_id} is over")
+        onesided.read(source, self.layout, self.addressing, remote, np.asarray(op.block_ids, dtype=np.int64),
+                      self.options.timeout_s)
+
+    # ---- two-sided ----
+    def _pull_two_sided(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource) -> set[int]:
+        arrived = [0]  # blocks (from the first) in place so far, also when the pull fails midway
+        try:
+            self._pull(peer, op, src, arrived)
+        except Exception as exc:  # noqa: BLE001 - every failure is a failed block, recomputed by the engine
+            self._log_failure(op, src, arrived[0], exc)
+            if isinstance(exc, TransferError):
+                self._drop(address)  # a timed-out endpoint may hold stale state: handshake anew next time
+        finally:
+            self._release(address, src, ok=arrived[0] == len(op.block_ids))
+        return set(op.block_ids[arrived[0]:])
+
+    def _remote_ids(self, op: BlockLoad, src: UcxSource) -> np.ndarray:
+        """The producer's block ids of ``op``, checked against what the wire can carry."""
+        remote = np.asarray(src.remote_block_ids, dtype=np.int64)
+        if len(remote) != len(op.block_ids):
+            raise ProtocolError(f"{len(op.block_ids)} local blocks for {len(remote)} remote ones")
+        if len(remote) > wire.MAX_PULL_IDS:
+            raise ProtocolError(f"{len(remote)} blocks in one pull; at most {wire.MAX_PULL_IDS}")
+        if len(remote) and (int(remote.min()) < 0 or int(remote.max()) > wire.MAX_BLOCK_ID):
+            raise ProtocolError("remote block ids outside [0, 2**31)")
+        if not is_id(self.engine.engine_id) or not is_id(src.remote_request_id):
+            raise ProtocolError(f"engine and request ids must be 1 to {wire.MAX_ID_BYTES} bytes of utf-8")
+        return remote
+
+    def _check_status(self, status: np.ndarray, src: UcxSource, n_chunks: int, n_blocks: int) -> None:
+        """The producer's answer must accept the pull and announce our chunks and our block size."""
+        code, chunks, block_bytes, total, reason = wire.read_status(status)
+        if code != wire.OK:
+            raise ProtocolError(f"producer {src.engine_id} refused the pull: {reason}")
+        if chunks != n_chunks:
+            raise ProtocolError(f"producer announced {chunks} chunks, expected {n_chunks}")
+        ours = self.layout.num_layers * self.layout.block_bytes
+        if block_bytes != ours or total != ours * n_blocks:  # a short chunk would arrive without an error
+            raise ProtocolError(f"producer {src.engine_id} sends {block_bytes}-byte blocks ({total} bytes in all); "
+                                f"ours are {ours} bytes: its layout is not the one it announced")
+
+    def _pull(self, peer: _Peer, op: BlockLoad, src: UcxSource, arrived: list[int]) -> None:
+        """Receive and scatter every chunk, counting the blocks in place in ``arrived[0]``."""
+        layout, timeout = self.layout, self.options.timeout_s
+        remote = self._remote_ids(op, src)
+        per = max(1, self.options.chunk_bytes // (layout.num_layers * layout.block_bytes))
+        per = max(per, -(-len(remote) // (rtmod.MAX_CHUNKS - 1)))
+        n_chunks = -(-len(remote) // per)
+        serial = self.rt.next_serial()
+        ep, t0 = peer.ep, time.perf_counter()
+        status = np.zeros(wire.STATUS_BYTES, dtype=np.uint8)
+        bufs = [self._staging.take(min(per, len(remote))) for _ in range(min(self.options.max_inflight, n_chunks))]
+        futures: dict[int, concurrent.futures.Future[Any]] = {}
+
+        def post(i: int) -> None:  # chunk i (0-based) into its staging buffer
+            view = chunk(bufs[i % len(bufs)], layout, min(per, len(remote) - i * per))
+            futures[i] = self.rt.submit(ep.recv(rtmod.as_buffer(view), tag=rtmod.reply_tag(serial, i + 1), force_tag=True))
+
+        status_fut = self.rt.submit(ep.recv(status, tag=rtmod.reply_tag(serial, 0), force_tag=True))
+        try:
+            for i in range(len(bufs)):
+                post(i)
+            pull = wire.Pull(self.engine.engine_id, self.engine.rank, src.remote_request_id, remote, per, serial,
+                             src.expires_at or time.time() + timeout)
+            tag = int.from_bytes(peer.info.transport[wire.CONTROL_TAG], "little")
+            try:
+                self.rt.call(ep.send(np.frombuffer(pull.encode(), dtype=np.uint8), tag=tag, force_tag=True), timeout)
+            except rtmod.ucx.exceptions.UCXError as exc:  # e.g. the producer died since the handshake
+                raise PeerUnreachable(f"pull to {src.engine_id}: {exc}") from None
+            _wait(status_fut, timeout, "status", src.engine_id)
+            self._check_status(status, src, n_chunks, len(remote))
+            for i in range(n_chunks):
+                _wait(futures.pop(i), timeout, f"chunk {i + 1}/{n_chunks}", src.engine_id)
+                n = min(per, len(remote) - i * per)
+                view = chunk(bufs[i % len(bufs)], layout, n)
+                layout.scatter(op.block_ids[arrived[0]:arrived[0] + n], view)
+                sync(view)
+                arrived[0] += n
+                if i + len(bufs) < n_chunks:
+                    post(i + len(bufs))
+        finally:
+            pending = [f for f in (status_fut, *futures.values()) if not f.done()]
+            for f in pending:
+                f.cancel()  # cancels the UCX receive, which then writes nothing more
+            if pending:
+                bury(bufs)
+            else:
+                self._staging.give(bufs)
+            nbytes = arrived[0] * layout.num_layers * layout.block_bytes
+            self.stats.add(load_bytes=nbytes, load_blocks=arrived[0], load_seconds=time.perf_counter() - t0)
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.close(self.rt)
+
+
+__all__ = ["LOAD_THREADS", "Puller"]

@@ -1,0 +1,134 @@
+"""The ``ucx`` scheduler side: a consumer admits what transfer params name and plans the pulls; a producer
+holds finished prompts' blocks for a consumer and says where to pull them from.
+
+The load's life (planned, in flight, failed and never offered again, held at the request's end while a
+pull still writes its blocks) is the core's :class:`~kvbridge.lifecycle.LoadBook`; what is ucx's own is
+admitting params, the hand-off (grants, leases) and the :class:`UcxPlan` to the workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+from kvbridge.connectors.ucx import addresses, onesided
+from kvbridge.connectors.ucx.options import UcxOptions
+from kvbridge.connectors.ucx.params import PLAN, Hold, UcxPlan, UcxSource, handoff_params, usable_params
+
+from kvbridge.contract import (
+    BlockLoad,
+    EngineInfo,
+    FinishDecision,
+    Lookup,
+    RequestInfo,
+    ScheduledRequest,
+    SchedulerSide,
+    StepPlan,
+    WorkerReport,
+)
+from kvbridge.lifecycle import Ending, LoadBook
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Incoming:
+    """A consumer's request whose params passed :func:`usable_params`, as of its last lookup."""
+
+    params: Mapping[str, Any]
+    num_computed: int = 0
+
+
+def _wants_remote_decode(role: str, request: RequestInfo) -> bool:
+    """Hold a finished request's blocks for a consumer? Always on a pure producer; on an engine that
+    does both, only when the client asked (vLLM's ``do_remote_decode``), so ordinary requests free at once."""
+    params = request.transfer_params or {}
+    return role == "producer" or bool(params.get("do_remote_decode"))
+
+
+class UcxScheduler(SchedulerSide):
+    """Scheduler side. As a consumer: admits what the transfer params name and plans the pulls. As a
+    producer: holds finished prompts' full blocks for a consumer and says where to pull them from."""
+
+    def __init__(self, options: UcxOptions, engine: EngineInfo):
+        self.options = options
+        self.engine = engine
+        self.loads = LoadBook()
+        self._incoming: dict[str, _Incoming] = {}
+        self._holds: list[Hold] = []  # handed off since the last plan: the workers learn them from it
+        self._grant_key = onesided.new_key()  # a new engine, a new key: grants of a previous one fail
+
+    # ---- consumer ----
+    def lookup(self, request: RequestInfo, num_computed_tokens: int) -> Lookup:
+        self._check_open()
+        if self.engine.role == "producer" or self.loads.failed_before(request.request_id):
+            return Lookup(0)  # a failed pull is not offered again: the engine recomputes the prompt
+        params = usable_params(request.transfer_params)
+        if params is None or params["engine_id"] == self.engine.engine_id:
+            return Lookup(0)
+        self._incoming[request.request_id] = _Incoming(params, num_computed_tokens)
+        # never more than the named blocks hold: the engine would take the rest as loaded
+        loadable = min(params["num_tokens"], len(params["block_ids"]) * self.engine.block_size, request.num_prompt_tokens - 1)
+        return Lookup(max(0, loadable - num_computed_tokens), is_async=True)
+
+    def on_allocated(self, request: RequestInfo, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        self._check_open()
+        incoming = self._incoming.get(request.request_id)
+        if incoming is None or num_external_tokens <= 0:
+            return
+        bs, remote = self.engine.block_size, incoming.params["block_ids"]
+        first = incoming.num_computed // bs
+        last = min(-(-(incoming.num_computed + num_external_tokens) // bs), len(remote), len(block_ids))
+        if last <= first:
+            return
+        source = UcxSource.of(incoming.params, tuple(map(int, remote[first:last])))
+        local = tuple(map(int, block_ids[first:last]))
+        # the contract still annotates ``source`` as a Mapping; a typed payload goes in as cpu's and chain's do
+        self.loads.plan(BlockLoad(request.request_id, local, source=cast(Any, source)))
+
+    def on_report(self, report: WorkerReport) -> None:
+        self._check_open()
+        self.loads.report(report)  # a pull reserves nothing here: the results only end the loads' tracking
+
+    # ---- both ----
+    def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
+        self._check_open()
+        loads, held = self.loads.take()
+        extra = {PLAN: UcxPlan(self._grant_key, tuple(self._holds))} if self.engine.role != "consumer" else {}
+        self._holds = []
+        return StepPlan(loads=loads, held=held, extra=extra)
+
+    def on_finished(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
+        self._check_open()
+        self._incoming.pop(request.request_id, None)
+        ending, _ = self.loads.finish(request.request_id)
+        if ending is Ending.IN_FLIGHT:  # a pull still writes into its blocks: freed once the worker reports it
+            return FinishDecision(delay_free=True)
+        if ending is Ending.DROPPED:  # the pull never started: nothing arrived, nothing to hand on
+            return FinishDecision()
+        if self.engine.role == "consumer" or not _wants_remote_decode(self.engine.role, request):
+            return FinishDecision()
+        return self._offer(request, block_ids)
+
+    # ---- producer ----
+    def _offer(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
+        """Hold the request's full prompt blocks for a consumer and name them in the transfer params."""
+        full = min(request.num_prompt_tokens // self.engine.block_size, len(block_ids))
+        found = [addresses.lookup(self.options, self.engine.engine_id, r) for r in range(self.engine.world_size)]
+        if not full or found[0] is None:
+            if full:
+                log.warning("%s: no published metadata address (worker not started?); %s not offered",
+                            self.engine.engine_id, request.request_id)
+            return FinishDecision()
+        ids = tuple(map(int, block_ids[:full]))
+        expires_at = time.time() + self.options.lease_s
+        self._holds.append(Hold(request.request_id, ids, expires_at))
+        params = handoff_params(self.engine.engine_id, request.request_id, ids, full * self.engine.block_size,
+                                expires_at, self._grant_key, found)
+        return FinishDecision(delay_free=True, transfer_params=params)
+
+
+__all__ = ["UcxScheduler"]

@@ -1,0 +1,89 @@
+"""The ``ucx`` worker side: a :class:`~.server.Server` for the KV it holds (producer) and a
+:class:`~.puller.Puller` for KV it pulls (consumer).
+
+What happens to a load around the pull (a background thread, the report, a request that ended while its
+pull still wrote its blocks) is the core's :class:`~kvbridge.lifecycle.Transfers`; releases and expired
+leases, which end a producer's holds, come from the server and join the same report.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from kvbridge.connectors.ucx import runtime as rtmod
+from kvbridge.connectors.ucx.options import UcxOptions, UcxStats
+from kvbridge.connectors.ucx.params import PLAN, UcxPlan
+from kvbridge.connectors.ucx.puller import LOAD_THREADS, Puller
+from kvbridge.connectors.ucx.server import Server
+
+from kvbridge.contract import BlockLoad, EngineInfo, StepPlan, WorkerReport, WorkerSide
+from kvbridge.errors import ProtocolError
+from kvbridge.layout import KVLayout
+from kvbridge.lifecycle import Transfers
+
+
+class UcxWorker(WorkerSide):
+    """Worker side: serves pulls of the KV it holds (producer) and/or pulls KV from producers (consumer)."""
+
+    def __init__(self, options: UcxOptions, engine: EngineInfo, stats: UcxStats):
+        self.options = options
+        self.engine = engine
+        self.stats: UcxStats = stats
+        self.rt = rtmod.runtime(options.progress_mode, options.ucx_tls)
+        self.server: Server | None = None
+        self._puller: Puller | None = None
+        # a pull mostly waits on its producer: several at once, so one slow producer does not stall the rest
+        self.transfers = Transfers(f"ucx-{engine.engine_id}", threads=LOAD_THREADS)
+
+    @property
+    def metadata_address(self) -> str | None:
+        """Where consumers reach this (producer) worker's metadata server; ``None`` for a consumer."""
+        return self.server.address if self.server is not None else None
+
+    def register(self, layout: KVLayout) -> None:
+        super().register(layout)
+        if self.engine.role in ("producer", "both"):
+            self.server = Server(self.options, self.engine, layout, self.rt, self.stats)
+        if self.engine.role in ("consumer", "both"):
+            self._puller = Puller(self.options, self.engine, layout, self.rt, self.stats)
+
+    def start_step(self, plan: StepPlan) -> None:
+        self._require_layout()
+        ucx_plan = plan.extra.get(PLAN)
+        if self.server is not None and isinstance(ucx_plan, UcxPlan):
+            self.server.hold(ucx_plan)
+        if plan.loads and self._puller is None:
+            raise ProtocolError(f"{self.engine.engine_id} is a {self.engine.role}: it cannot load")
+        for op in plan.loads:
+            self.transfers.load(op, functools.partial(self._load, op))
+        self.transfers.hold(plan.held)
+
+    def _load(self, op: BlockLoad) -> set[int]:
+        assert self._puller is not None
+        failed = self._puller.load(op)  # never raises: a failure is failed blocks
+        self.stats.add(loads=1, load_failures=int(bool(failed)), failed_blocks=len(failed))
+        return failed
+
+    def finish_step(self) -> None:
+        self._require_layout()  # nothing at a step's end: consumers pull a producer's KV, nothing is pushed
+
+    def poll(self) -> WorkerReport:
+        self._check_open()
+        released = self.server.take_finished() if self.server is not None else ()
+        return self.transfers.poll(also_saved=released)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        self._check_open()
+        return self.transfers.wait(timeout=timeout)
+
+    def close(self) -> None:
+        if not self._closed:
+            self.transfers.close()  # loads end by their deadlines
+            if self._puller is not None:
+                self._puller.close()
+            if self.server is not None:
+                self.server.close()
+        super().close()
+
+
+__all__ = ["UcxWorker"]
