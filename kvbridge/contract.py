@@ -114,7 +114,7 @@ class BlockLoad:
     request_id: str
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...] = ()
-    source: Mapping[str, Any] | None = None
+    source: Any = None  # the backend's own payload: a frozen dataclass of plain values (or None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +124,7 @@ class BlockSave:
     request_id: str
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...] = ()
-    target: Mapping[str, Any] | None = None
+    target: Any = None  # the backend's own payload: a frozen dataclass of plain values (or None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,6 +67,7 @@ class LoadBook:
         self._in_flight: dict[str, BlockLoad] = {}  # in a plan, not yet reported
         self._failed: set[str] = set()  # live requests whose load failed
         self._held: list[str] = []  # ended with a load in flight: the next plan names them
+        self._ended: set[str] = set()  # ended with a load in flight, not yet reported
 
     def failed_before(self, request_id: str) -> bool:
         """Whether this request's load failed: it must not be offered one again (``Lookup(0)``)."""
@@ -96,7 +97,9 @@ class LoadBook:
             if op is None:
                 continue
             failed = frozenset(b for b in op.block_ids if b in report.failed_blocks)
-            if failed:
+            if rid in self._ended:  # its request is gone: nothing to guard (a new one may reuse the id)
+                self._ended.discard(rid)
+            elif failed:
                 self._failed.add(rid)
             results.append(LoadResult(op, failed))
         return results
@@ -111,6 +114,7 @@ class LoadBook:
         op = self._in_flight.get(request_id)
         if op is not None:
             self._held.append(request_id)
+            self._ended.add(request_id)
             return Ending.IN_FLIGHT, op
         return Ending.NO_LOAD, None
 
