@@ -7,13 +7,14 @@ processes on any number of machines. Objects live at::
 
 so a key, whatever its bytes, names a file of hex digits under the root and can never escape it.
 
-**Object format** (version 1): a fixed :data:`HEADER_BYTES` header, then the block's bytes in every
-layer, layer after layer (``num_layers * block_bytes``). The header holds :data:`MAGIC`, the format
-version, the checksum kind, the full key, the layout fingerprint (canonical JSON), the payload
-length and the payload's checksum. A reader checks all of them — and that the file has exactly the
-promised length — before a single byte reaches the KV cache; an object that fails is a failed
-block (counted in ``stats.corrupt`` and logged), and a damaged one is deleted so the next producer
-rewrites it. Objects of another version or layout are left alone (another engine may own them).
+**Object format**: :data:`kvbridge.codec.FS` (version 1) — a :data:`HEADER_BYTES` header, then the
+block's bytes in every layer, layer after layer (``num_layers * block_bytes``). The header holds
+:data:`MAGIC`, the format version, the checksum kind, the full key, the layout fingerprint
+(canonical JSON), the payload length and the payload's checksum (:mod:`kvbridge.codec` has the
+byte layout). A reader checks all of them — and that the file has exactly the promised length —
+before a single byte reaches the KV cache; an object that fails is a failed block (counted in
+``stats.corrupt`` and logged), and a damaged one is deleted so the next producer rewrites it.
+Objects of another version or layout are left alone (another engine may own them).
 
 **Concurrency.** A writer writes a private temporary file in the object's directory and
 ``os.replace``\\ s it into place, which is atomic on POSIX filesystems (NFS and Lustre included), so a
@@ -42,35 +43,29 @@ import hashlib
 import logging
 import os
 import secrets
-import struct
 import time
-import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
-import numpy as np
-import torch
-
+from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
-from kvbridge.errors import MissingDependency, StoreFull
+from kvbridge.errors import Corrupted, StoreFull
 from kvbridge.layout import KVLayout
 from kvbridge.options import require
+from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVBRFS\r\n"  # \r\n: a text-mode copy that mangles line ends fails the magic check
-VERSION = 1
-# page-aligned payload (room for O_DIRECT or mmap later); 0.2% of a 2 MiB Llama-3-8B block
-HEADER_BYTES = 4096
-_FIXED = struct.Struct("<8sHHHHQI")  # magic, version, checksum kind, key len, fingerprint len, payload len, checksum
-_CHECKSUMS = {"crc32": 1, "crc32c": 2}
+FORMAT = codec.FS
+MAGIC = FORMAT.magic
+VERSION = codec.VERSION
+HEADER_BYTES = FORMAT.header_bytes
+_FIXED = FORMAT.fixed  # the header's fixed fields (tests forge objects with it)
 _MAX_HEX_KEY = 64  # longer keys are hashed into the file name (NAME_MAX is 255); the header keeps the key
 _IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024) per readv/writev
 _LOW_WATER = 0.9  # evict down to this fraction of capacity_bytes
 _STALE_TMP_S = 3600.0  # temp files this old belong to a writer that died; eviction scans remove them
-
-Checksum = Callable[[Sequence[memoryview]], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,38 +79,11 @@ class FsOptions:
     path: str
     capacity_bytes: int = 0
     fsync: bool = False
-    checksum: Literal["crc32", "crc32c"] = dataclasses.field(default_factory=lambda: "crc32c" if _have_crc32c() else "crc32")
+    checksum: Literal["crc32", "crc32c"] = dataclasses.field(default_factory=codec.default_checksum)
 
     def __post_init__(self) -> None:
         require(bool(self.path), "fs option 'path' must name a directory")
         require(self.capacity_bytes >= 0, f"fs option 'capacity_bytes' must be >= 0, got {self.capacity_bytes}")
-
-
-def _crc32(parts: Sequence[memoryview]) -> int:
-    crc = 0
-    for part in parts:
-        crc = zlib.crc32(part, crc)
-    return crc
-
-
-def _crc32c(parts: Sequence[memoryview]) -> int:
-    import google_crc32c
-
-    crc = 0
-    for part in parts:
-        crc = google_crc32c.extend(crc, np.asarray(part))  # it refuses memoryviews; a numpy view is no copy
-    return int(crc)
-
-
-_CHECKSUM_FNS: dict[int, Checksum] = {1: _crc32, 2: _crc32c}
-
-
-def _have_crc32c() -> bool:
-    try:
-        import google_crc32c  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def object_name(key: bytes) -> str:
@@ -150,14 +118,6 @@ def _read_all(fd: int, bufs: list[memoryview]) -> int:
         total += n
         bufs = _advance(bufs, n)
     return total
-
-
-class _Invalid(Exception):
-    """An object failed validation; ``damaged`` ones are deleted, foreign ones left alone."""
-
-    def __init__(self, reason: str, *, damaged: bool):
-        super().__init__(reason)
-        self.damaged = damaged
 
 
 class _Tree:
@@ -198,7 +158,8 @@ class FsStore(_Tree, StoreIO):
     def __init__(self, engine: EngineInfo, options: FsOptions):
         StoreIO.__init__(self, engine)
         _Tree.__init__(self, engine, options)
-        self._kind = _CHECKSUMS[options.checksum]
+        self._kind = codec.CHECKSUMS[options.checksum]
+        self._staging = StagingPool()  # host buffers the files are read into, written from
         self._made: set[str] = set()  # subdirectories known to exist (re-made if someone removes them)
         self._usage: int | None = None  # estimate of bytes under root, when capacity_bytes is set
 
@@ -215,87 +176,48 @@ class FsStore(_Tree, StoreIO):
                 fds.append((path, fd))
                 # start the kernel's read-ahead of every object now, so cold reads overlap
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            staging = self._host_staging(layout, len(fds), "fs-load")
-            arr = staging.numpy()  # numpy views are what readv fills (a tensor exports no buffer)
-            tail = memoryview(bytearray(1))  # must stay empty: catches objects longer than promised
-            header = memoryview(bytearray(HEADER_BYTES))
-            good = 0
-            for i, (path, fd) in enumerate(fds):
-                parts = [memoryview(arr[layer, i]) for layer in range(layout.num_layers)]
-                got = _read_all(fd, [header, *parts, tail])
-                try:
-                    self._validate(op.keys[i], layout, header, parts, got)
-                except _Invalid as bad:
-                    self._reject(path, fd, str(bad), damaged=bad.damaged)
-                    break
-                good += 1
-            if good:  # one vectorized scatter of the blocks that passed validation, and only those
-                layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
+            with self._staging.lend(layout, len(fds)) as staging:
+                arr = staging.numpy()  # numpy views are what readv fills (a tensor exports no buffer)
+                tail = memoryview(bytearray(1))  # must stay empty: catches objects longer than promised
+                header = memoryview(bytearray(HEADER_BYTES))
+                good = 0
+                for i, (path, fd) in enumerate(fds):
+                    parts = [memoryview(arr[layer, i]) for layer in range(layout.num_layers)]
+                    got = _read_all(fd, [header, *parts, tail])
+                    try:
+                        FORMAT.check(header, key=op.keys[i], fingerprint=layout.fingerprint, parts=parts, size=got)
+                    except Corrupted as bad:
+                        self._reject(path, fd, bad)
+                        break
+                    good += 1
+                if good:  # one vectorized scatter of the blocks that passed validation, and only those
+                    layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
             return op.block_ids[good:]
         finally:
             for _, fd in fds:
                 os.close(fd)
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
-        staging = layout.gather(op.block_ids, out=layout.scratch("fs-save", len(op.block_ids)))
-        if staging.device.type != "cpu":
-            staging = staging.cpu()
-        arr = staging.numpy()
         payload = layout.num_layers * layout.block_bytes
         if self.options.capacity_bytes:
             self._make_room(len(op.keys) * (HEADER_BYTES + payload))
-        fp = layout.fingerprint.to_json().encode()
-        for i, key in enumerate(op.keys):
-            path = self.path_of(key)
-            if self._refresh(path):
-                continue  # already stored (by us or another writer): same key, same KV
-            parts = [memoryview(arr[layer, i]) for layer in range(layout.num_layers)]
-            header = self._header(key, fp, payload, _CHECKSUM_FNS[self._kind](parts))
-            self._write_object(path, [memoryview(header), *parts])
-            if self._usage is not None:
-                self._usage += HEADER_BYTES + payload
+        with self._staging.gathered(layout, op.block_ids) as staging:
+            arr = staging.numpy()
+            for i, key in enumerate(op.keys):
+                path = self.path_of(key)
+                if self._refresh(path):
+                    continue  # already stored (by us or another writer): same key, same KV
+                parts = [memoryview(arr[layer, i]) for layer in range(layout.num_layers)]
+                header = FORMAT.pack(key, layout.fingerprint, parts, self._kind)
+                self._write_object(path, [memoryview(header), *parts])
+                if self._usage is not None:
+                    self._usage += HEADER_BYTES + payload
 
-    # -- object format -----------------------------------------------------------------------------
-    def _header(self, key: bytes, fp: bytes, payload: int, checksum: int) -> bytearray:
-        fixed = _FIXED.pack(MAGIC, VERSION, self._kind, len(key), len(fp), payload, checksum)
-        header = bytearray(HEADER_BYTES)
-        end = len(fixed) + len(key) + len(fp)
-        if end > HEADER_BYTES:
-            raise ValueError(f"key ({len(key)} B) and fingerprint ({len(fp)} B) do not fit a {HEADER_BYTES} B header")
-        header[:end] = fixed + key + fp
-        return header
-
-    def _validate(self, key: bytes, layout: KVLayout, header: memoryview, parts: list[memoryview], got: int) -> None:
-        if got < _FIXED.size:
-            raise _Invalid(f"truncated to {got} bytes", damaged=True)
-        magic, version, kind, key_len, fp_len, payload, checksum = _FIXED.unpack_from(header)
-        if magic != MAGIC:
-            raise _Invalid("bad magic", damaged=True)
-        if version != VERSION:
-            raise _Invalid(f"format version {version}, this reader knows {VERSION}", damaged=False)
-        if _FIXED.size + key_len + fp_len > HEADER_BYTES:
-            raise _Invalid("header lengths out of range", damaged=True)
-        pos = _FIXED.size
-        if bytes(header[pos : pos + key_len]) != key:
-            raise _Invalid("object holds another key", damaged=True)
-        fp = bytes(header[pos + key_len : pos + key_len + fp_len])
-        if fp != layout.fingerprint.to_json().encode():
-            raise _Invalid(f"layout {fp.decode(errors='replace')} != ours {layout.fingerprint.to_json()}", damaged=False)
-        want = layout.num_layers * layout.block_bytes
-        if payload != want:
-            raise _Invalid(f"payload length {payload} != {want}", damaged=True)
-        if got != HEADER_BYTES + payload:
-            raise _Invalid(f"{got} bytes on disk, header promises {HEADER_BYTES + payload}", damaged=True)
-        verify = _CHECKSUM_FNS.get(kind)
-        if verify is None or (kind == 2 and not _have_crc32c()):
-            raise _Invalid(f"checksum kind {kind} cannot be verified here", damaged=False)
-        if verify(parts) != checksum:
-            raise _Invalid("checksum mismatch", damaged=True)
-
-    def _reject(self, path: str, fd: int, reason: str, *, damaged: bool) -> None:
+    # -- bad objects -------------------------------------------------------------------------------
+    def _reject(self, path: str, fd: int, bad: Corrupted) -> None:
         self.stats.add(corrupt=1)
-        log.warning("fs store: %s is not loadable (%s)%s", path, reason, "; deleting it" if damaged else "")
-        if not damaged:
+        log.warning("fs store: %s is not loadable (%s)%s", path, bad, "; deleting it" if bad.damaged else "")
+        if not bad.damaged:
             return
         try:  # delete only the file we read, not one a writer has just put in its place
             if os.path.samestat(os.fstat(fd), os.stat(path)):
@@ -387,12 +309,9 @@ class FsStore(_Tree, StoreIO):
                     continue
                 yield st.st_mtime, st.st_size, path
 
-    @staticmethod
-    def _host_staging(layout: KVLayout, n: int, name: str) -> torch.Tensor:
-        """A host buffer ``[num_layers, n, block_bytes]`` to read into (pinned when the KV is on a GPU)."""
-        if layout.device.type == "cpu":
-            return layout.scratch(name, n)
-        return torch.empty((layout.num_layers, n, layout.block_bytes), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    def close(self) -> None:
+        self._staging.clear()
+        super().close()
 
 
 class FsBackend(StoreBackend):
@@ -402,8 +321,7 @@ class FsBackend(StoreBackend):
     options_type = FsOptions
 
     def __init__(self, options: FsOptions):
-        if options.checksum == "crc32c" and not _have_crc32c():
-            raise MissingDependency("fs option checksum='crc32c' needs google-crc32c: pip install google-crc32c")
+        codec.require_checksum(options.checksum, "fs")
         super().__init__(options)
 
     def open_index(self, engine: EngineInfo) -> FsIndex:

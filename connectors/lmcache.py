@@ -18,10 +18,11 @@ different processes (vLLM), a lookup sees a block only once it reached the remot
 chunk_hash, uint8)`` where ``model`` is ``<model_name>-<sha256(namespace)[:16]>`` (safe for LMCache's
 ``@``/``%``-separated key string and its 150-character limit whatever the namespace) and
 ``chunk_hash`` is the block key (hashed to 32 bytes when longer). The value is a uint8 tensor
-``[1, 1, 1, HEADER_BYTES + num_layers * block_bytes]``: a :data:`HEADER_BYTES` header (:data:`MAGIC`,
-format version, checksum kind, the payload's checksum and length, the layout fingerprint's digest
-and a digest of the full block key), then the block's bytes in every layer. A reader checks all of
-it before a byte reaches the KV cache; an object that fails is a failed block (``stats.corrupt``),
+``[1, 1, 1, HEADER_BYTES + num_layers * block_bytes]`` in format :data:`kvbridge.codec.LMCACHE`: a
+:data:`HEADER_BYTES` header (:data:`MAGIC`, format version, checksum kind, the payload's checksum
+and length, the layout fingerprint's digest and a digest of the full block key; byte layout in
+:mod:`kvbridge.codec`), then the block's bytes in every layer. A reader checks all of it before a
+byte reaches the KV cache; an object that fails is a failed block (``stats.corrupt``),
 and a damaged one is dropped from the tiers that can delete (CPU, disk; the ``lm://`` server cannot).
 Objects of another layout or format version are left alone.
 
@@ -60,10 +61,8 @@ import os
 import re
 import select
 import socket
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -71,10 +70,20 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
-from kvbridge.errors import ClosedError, ConfigError, MissingDependency, PeerUnreachable, StoreFull, TransferTimeout
-from kvbridge.layout import KVLayout
+from kvbridge.errors import (
+    ClosedError,
+    ConfigError,
+    Corrupted,
+    MissingDependency,
+    PeerUnreachable,
+    StoreFull,
+    TransferTimeout,
+)
+from kvbridge.layout import KVLayout, block_words
 from kvbridge.options import require
+from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 
 _HINT = "pip install 'kvbridge[lmcache]'"
@@ -84,18 +93,16 @@ if importlib.util.find_spec("lmcache") is None:
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVBRLM\r\n"
-VERSION = 1
-HEADER_BYTES = 64  # keeps the payload 8-byte aligned
-_HEADER = struct.Struct("<8sHHIQ16s16s")  # magic, version, checksum kind, checksum, payload len, fingerprint, key digest
-_CHECKSUMS = {"crc32": 1, "crc32c": 2}
+FORMAT = codec.LMCACHE
+MAGIC = FORMAT.magic
+VERSION = codec.VERSION
+HEADER_BYTES = FORMAT.header_bytes  # keeps the payload 8-byte aligned
 _KEY_LIMIT = 150  # LMCache asserts on longer key strings
 _MAX_HASH = 32  # longer block keys are hashed to this many bytes (the header keeps a digest of the full key)
 _MODEL_NAME = re.compile(r"[A-Za-z0-9._-]{1,40}")
 _REMOTE = "RemoteBackend"
 _CPU = "LocalCPUBackend"
 _DELETABLE = ("LocalCPUBackend", "LocalDiskBackend")
-_KEEP_BYTES = 512 << 20  # larger staging buffers are freed after each call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,36 +308,13 @@ def _close_all() -> None:
 getattr(threading, "_register_atexit", atexit.register)(_close_all)
 
 
-# -- object format ---------------------------------------------------------------------------------
-def _checksum(kind: int, data: np.ndarray) -> int:
-    if kind == 2:
-        import google_crc32c
-
-        return int(google_crc32c.value(data))
-    return zlib.crc32(data.data)
-
-
-def _have_crc32c() -> bool:
-    return importlib.util.find_spec("google_crc32c") is not None
-
-
-def _key_digest(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=16).digest()
-
-
-def _as_words(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous-rows uint8 tensor as int64 words where size and alignment allow (faster copies)."""
-    if t.shape[-1] % 8 == 0 and t.data_ptr() % 8 == 0 and t.stride(-1) == 1:
-        return t.view(torch.int64)
-    return t
-
-
-class _Invalid(Exception):
-    """An object failed validation; ``damaged`` ones are dropped, foreign ones left alone."""
-
-    def __init__(self, reason: str, *, damaged: bool):
-        super().__init__(reason)
-        self.damaged = damaged
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` of uint8 rows, as int64 words where size and alignment allow (faster copies)."""
+    dw, sw = block_words(dst), block_words(src)
+    if dw is not None and sw is not None:
+        dw.copy_(sw)
+    else:
+        dst.copy_(src)
 
 
 class _Handle:
@@ -398,9 +382,8 @@ class LMCacheStore(_Handle, StoreIO):
     def __init__(self, engine: EngineInfo, options: LMCacheOptions):
         StoreIO.__init__(self, engine)
         _Handle.__init__(self, engine, options)
-        self._kind = _CHECKSUMS[options.checksum]
-        # host staging kept between calls (first-touching fresh pages costs more than the copy itself)
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._kind = codec.CHECKSUMS[options.checksum]
+        self._staging = StagingPool()  # host buffers between the KV and LMCache's objects
 
     def attach(self, layout: KVLayout) -> None:
         size = HEADER_BYTES + layout.num_layers * layout.block_bytes
@@ -412,7 +395,14 @@ class LMCacheStore(_Handle, StoreIO):
 
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         keys = [self.lmcache_key(k) for k in op.keys]
-        staging = self._host_staging("load", layout, len(keys))
+        with self._staging.lend(layout, len(keys)) as staging:
+            good = self._fetch(op, keys, layout, staging)
+            if good:  # one vectorized scatter of the blocks that passed validation, and only those
+                layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
+        return op.block_ids[good:]
+
+    def _fetch(self, op: BlockLoad, keys: list[Any], layout: KVLayout, staging: torch.Tensor) -> int:
+        """Copy the objects of ``keys`` that pass validation into ``staging``, from the first; how many."""
         # LMCache reads a disk or remote hit into its CPU arena and, when the arena is full, waits for
         # room forever: fetch in batches that fit in half of it, and give each batch back before the next.
         per = max(1, (self.options.local_cpu_bytes // 2) // (HEADER_BYTES + layout.num_layers * layout.block_bytes))
@@ -435,10 +425,10 @@ class LMCacheStore(_Handle, StoreIO):
                             break
                         try:
                             payload = self._validate(op.keys[i], obj, layout)
-                        except _Invalid as bad:
-                            self._reject(m, keys[i], where[i], str(bad), damaged=bad.damaged)
+                        except Corrupted as bad:
+                            self._reject(m, keys[i], where[i], bad)
                             break
-                        _as_words(staging[:, i]).copy_(_as_words(payload))  # LMCache's API is per object
+                        _copy_rows(staging[:, i], payload)  # LMCache's API is per object
                         good += 1
                 finally:
                     for obj in got:
@@ -446,21 +436,17 @@ class LMCacheStore(_Handle, StoreIO):
                             obj.ref_count_down()
                 if good < end:
                     break
-        if good:  # one vectorized scatter of the blocks that passed validation, and only those
-            layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
-        return op.block_ids[good:]
+        return good
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         if not op.keys:
             return
-        staging = self._host_staging("save", layout, len(op.block_ids))
-        if layout.device.type == "cpu":
-            layout.gather(op.block_ids, out=staging)
-        else:
-            staging.copy_(layout.gather(op.block_ids))
-        payload = layout.num_layers * layout.block_bytes
-        shape = torch.Size([1, 1, 1, HEADER_BYTES + payload])
-        fp = layout.fingerprint.digest().encode()
+        with self._staging.gathered(layout, op.block_ids) as staging:
+            self._store(op, layout, staging)
+
+    def _store(self, op: BlockSave, layout: KVLayout, staging: torch.Tensor) -> None:
+        """Put the blocks of ``op`` (gathered in ``staging``) into LMCache, one object each."""
+        shape = torch.Size([1, 1, 1, HEADER_BYTES + layout.num_layers * layout.block_bytes])
         keys = [self.lmcache_key(k) for k in op.keys]
         with self._session() as m:
             up = m.remote is None or m.remote.connection is not None
@@ -479,7 +465,7 @@ class LMCacheStore(_Handle, StoreIO):
                             f"object; saved {stored} of {len(keys)} blocks of {op.request_id}"
                         )
                     batch.append((key, obj))
-                    self._fill(obj.tensor.view(-1), op.keys[i], fp, staging[:, i])
+                    self._fill(obj.tensor.view(-1), op.keys[i], layout, staging[:, i])
                 stored += self._put(m, batch)
             finally:
                 for _, obj in batch:  # only objects never handed to LMCache are left here
@@ -503,58 +489,30 @@ class LMCacheStore(_Handle, StoreIO):
             raise PeerUnreachable(f"lmcache remote {m.options.remote_url} does not hold what was just put")
         return len(keys)
 
-    def _fill(self, flat: torch.Tensor, key: bytes, fp: bytes, block: torch.Tensor) -> None:
+    def _fill(self, flat: torch.Tensor, key: bytes, layout: KVLayout, block: torch.Tensor) -> None:
         body = flat[HEADER_BYTES:]
-        _as_words(body.view(block.shape)).copy_(_as_words(block))
-        arr = body.numpy()
-        header = _HEADER.pack(MAGIC, VERSION, self._kind, _checksum(self._kind, arr), arr.size, fp, _key_digest(key))
-        flat[:HEADER_BYTES].numpy()[:] = np.frombuffer(header.ljust(HEADER_BYTES, b"\0"), dtype=np.uint8)
+        _copy_rows(body.view(block.shape), block)
+        header = FORMAT.pack(key, layout.fingerprint, [body.numpy()], self._kind)
+        flat[:HEADER_BYTES].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
 
     def _validate(self, key: bytes, obj: Any, layout: KVLayout) -> torch.Tensor:
-        """The payload of ``obj`` as ``[num_layers, block_bytes]`` uint8, or :class:`_Invalid`."""
+        """The payload of ``obj`` as ``[num_layers, block_bytes]`` uint8, or :class:`Corrupted`."""
         t = obj.tensor
-        if t is None or t.dtype != torch.uint8 or not t.is_contiguous() or t.numel() < HEADER_BYTES:
-            raise _Invalid(f"not a kvbridge object ({None if t is None else (t.dtype, tuple(t.shape))})", damaged=True)
+        if t is None or t.dtype != torch.uint8 or not t.is_contiguous():
+            raise Corrupted(f"not a kvbridge object ({None if t is None else (t.dtype, tuple(t.shape))})", damaged=True)
         flat = t.view(-1)
-        magic, version, kind, checksum, length, fp, digest = _HEADER.unpack_from(flat[: _HEADER.size].numpy().tobytes())
-        if magic != MAGIC:
-            raise _Invalid("bad magic", damaged=True)
-        if version != VERSION:
-            raise _Invalid(f"format version {version}, this reader knows {VERSION}", damaged=False)
-        if fp != layout.fingerprint.digest().encode():
-            raise _Invalid(f"layout {fp.decode(errors='replace')} != ours {layout.fingerprint.digest()}", damaged=False)
-        if digest != _key_digest(key):
-            raise _Invalid("object holds another key", damaged=True)
-        want = layout.num_layers * layout.block_bytes
-        if length != want or flat.numel() != HEADER_BYTES + want:
-            raise _Invalid(f"{flat.numel()} bytes, header says payload {length}, layout needs {want}", damaged=True)
-        if kind not in _CHECKSUMS.values() or (kind == 2 and not _have_crc32c()):
-            raise _Invalid(f"checksum kind {kind} cannot be verified here", damaged=False)
         body = flat[HEADER_BYTES:]
-        if _checksum(kind, body.numpy()) != checksum:
-            raise _Invalid("checksum mismatch", damaged=True)
+        FORMAT.check(flat[:HEADER_BYTES].numpy(), key=key, fingerprint=layout.fingerprint, parts=[body.numpy()], size=flat.numel())
         return body.view(layout.num_layers, layout.block_bytes)
 
-    def _reject(self, m: _Manager, key: Any, tier: str, reason: str, *, damaged: bool) -> None:
+    def _reject(self, m: _Manager, key: Any, tier: str, bad: Corrupted) -> None:
         self.stats.add(corrupt=1)
-        log.warning("lmcache store: object %s in %s is not loadable (%s)", key.to_string(), tier, reason)
-        if damaged:  # the remote cannot delete; CPU (a write-back copy) and disk can
+        log.warning("lmcache store: object %s in %s is not loadable (%s)", key.to_string(), tier, bad)
+        if bad.damaged:  # the remote cannot delete; CPU (a write-back copy) and disk can
             m.sm.remove(key, locations=list(_DELETABLE))
 
-    def _host_staging(self, use: str, layout: KVLayout, n: int) -> torch.Tensor:
-        """A host buffer ``[num_layers, n, block_bytes]`` (pinned when the KV is on a GPU), reused up to
-        :data:`_KEEP_BYTES`."""
-        shape = (layout.num_layers, n, layout.block_bytes)
-        buf = self._buffers.get(use)
-        if buf is None or buf.numel() < math.prod(shape):
-            pin = layout.device.type != "cpu" and torch.cuda.is_available()
-            buf = torch.empty(math.prod(shape), dtype=torch.uint8, pin_memory=pin)
-            if buf.numel() <= _KEEP_BYTES:
-                self._buffers[use] = buf
-        return buf[: math.prod(shape)].view(shape)
-
     def close(self) -> None:
-        self._buffers.clear()
+        self._staging.clear()
         super().close()
 
 
@@ -565,8 +523,7 @@ class LMCacheBackend(StoreBackend):
     options_type = LMCacheOptions
 
     def __init__(self, options: LMCacheOptions):
-        if options.checksum == "crc32c" and not _have_crc32c():
-            raise MissingDependency("lmcache option checksum='crc32c' needs google-crc32c: pip install google-crc32c")
+        codec.require_checksum(options.checksum, "lmcache")
         super().__init__(options)
 
     def open_index(self, engine: EngineInfo) -> LMCacheIndex:

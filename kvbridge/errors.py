@@ -8,7 +8,8 @@ need to know which transport sits underneath.
 - :class:`MissingDependency` (``ImportError``) — an optional extra is not installed; says what to install.
 - :class:`LayoutError` (``ValueError``) — KV tensors kvbridge cannot address.
 - :class:`LayoutMismatch` (``ValueError``) — two sides disagree on the KV layout fingerprint.
-- :class:`Corrupted` — stored bytes failed their header or checksum; never loaded.
+- :class:`Corrupted` — a stored object failed its header or checksum checks (:mod:`kvbridge.codec`);
+  never loaded. ``damaged``: delete it; otherwise it is foreign (another version or layout): leave it.
 - :class:`TransferError` — a transfer did not complete: :class:`TransferTimeout` (``TimeoutError``),
   :class:`PeerUnreachable` (``ConnectionError``).
 - :class:`ProtocolError` — the metadata protocol was violated or refused (version mismatch,
@@ -45,7 +46,19 @@ class LayoutMismatch(KVBridgeError, ValueError):
 
 
 class Corrupted(KVBridgeError):
-    """Stored bytes failed validation (bad magic, version, checksum, size); they were not loaded."""
+    """A stored object failed validation (magic, version, key, layout, size, checksum); it was not loaded.
+
+    ``damaged`` says whether the object itself is bad (truncated, bit flips, another key's bytes: a
+    store deletes it so the next producer writes it again) or merely *foreign* (another format
+    version, layout or checksum kind: another engine's object, left alone).
+    """
+
+    def __init__(self, reason: str, *, damaged: bool = True):
+        super().__init__(reason)
+        self.damaged = damaged
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep ``damaged`` across pickling (keyword-only)
+        return type(self), (str(self),), {"damaged": self.damaged}
 
 
 class TransferError(KVBridgeError):

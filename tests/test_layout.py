@@ -1,9 +1,12 @@
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from kvbridge.errors import LayoutError, LayoutMismatch
-from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, KVLayout, LayoutFingerprint, coalesce
+from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, KVLayout, LayoutFingerprint, block_words, coalesce
+from kvbridge.staging import StagingPool
 
 
 def vllm_cache(layers=3, blocks=40, heads=8, block_size=16, head=32, dtype=torch.bfloat16):
@@ -140,3 +143,155 @@ def test_fingerprint_round_trip_and_mismatch():
         LayoutFingerprint.from_json('{"dtype": "bfloat16"}')
     with pytest.raises(LayoutMismatch):
         LayoutFingerprint.from_json("not json")
+
+
+# ---- word views ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("word", [torch.int64, torch.int32])
+def test_block_words_are_views_of_each_block_as_one_row(word):
+    kv = vllm_cache(blocks=6)["layers.1"]  # [B, H, N, 2D] bf16
+    rows = block_words(kv, word)
+    assert rows is not None and rows.dtype == word
+    assert tuple(rows.shape) == (6, 8 * 16 * 64 * 2 // word.itemsize)
+    assert rows.data_ptr() == kv.data_ptr()  # a view, no copy
+    assert torch.equal(rows[3].view(torch.uint8), kv[3].reshape(-1).view(torch.uint8))
+    rows[2].zero_()
+    assert not kv[2].view(torch.uint8).any()
+
+
+def test_block_words_of_rows_with_gaps_between_them():
+    base = torch.arange(4 * 2 * 32, dtype=torch.uint8).view(4, 2, 32)  # a layer inside a larger allocation
+    rows = block_words(base[:, 1], torch.int64)
+    assert rows is not None and tuple(rows.shape) == (4, 4)
+    assert torch.equal(rows.view(torch.uint8), base[:, 1])
+
+
+def test_block_words_refuses_what_no_view_expresses():
+    kv_first = torch.zeros(2, 10, 16, 4, 8, dtype=torch.float16).movedim(1, 0)  # K and V of a block apart
+    assert block_words(kv_first) is None
+    assert block_words(torch.zeros(4, 6, dtype=torch.uint8)) is None  # 6-byte blocks: no int64 rows
+    assert block_words(torch.zeros(4, 6, dtype=torch.uint8), torch.int16) is not None
+    assert block_words(torch.zeros(4, 17, dtype=torch.uint8)[:, 1:]) is None  # rows off word alignment
+    assert block_words(torch.zeros(4, 8, dtype=torch.uint8).expand(3, 4, 8)[:, 0]) is None  # overlapping rows
+    assert block_words(torch.zeros(0, 8, dtype=torch.uint8)) is None
+
+
+def test_layout_moves_blocks_as_words_where_it_can():
+    assert all(r is not None for r in KVLayout.from_tensors(vllm_cache())._rows)
+    base = torch.randn(2, 2, 30, 16, 4, 8, dtype=torch.float16)
+    assert all(r is None for r in KVLayout.from_tensors([base[0], base[1]])._rows)
+
+
+def test_layers_interleaved_in_one_allocation_move_as_words_bit_exact():
+    # blocks of every layer side by side ([B, L, H, N, 2D]): each layer's blocks have gaps between them
+    base = torch.empty(30, 3, 2, 16, 16, dtype=torch.bfloat16)
+    base.view(torch.uint8).copy_(torch.randint(0, 256, base.view(torch.uint8).shape, dtype=torch.uint8))
+    layers = [base[:, i] for i in range(3)]
+    layout = KVLayout.from_tensors(layers)
+    assert all(r is not None for r in layout._rows)
+    ids, dst = [4, 9, 10, 11, 2], [0, 1, 2, 3, 29]
+    staging = layout.gather(ids)
+    for i, layer in enumerate(layers):
+        assert torch.equal(staging[i].view(5, 2, 16, 32), layer[ids].view(torch.uint8))
+    before = base.clone()
+    layout.scatter(dst, staging)
+    for i, layer in enumerate(layers):
+        assert torch.equal(layer[dst].view(torch.uint8), before[:, i][ids].view(torch.uint8))
+        keep = [b for b in range(30) if b not in dst]
+        assert torch.equal(layer[keep].view(torch.uint8), before[:, i][keep].view(torch.uint8))
+
+
+# ---- staging pool -------------------------------------------------------------------------------
+def _small_layout() -> KVLayout:
+    return KVLayout.from_tensors(vllm_cache(layers=2, blocks=20, heads=2, head=8))  # 1 KiB blocks
+
+
+def test_staging_pool_hands_out_contiguous_buffers_and_reuses_them():
+    layout, pool = _small_layout(), StagingPool()
+    buf = pool.take(layout, 5)
+    assert tuple(buf.shape) == (2, 5, layout.block_bytes) and buf.dtype == torch.uint8 and buf.is_contiguous()
+    assert buf.device.type == "cpu" and not buf.is_pinned()  # the KV is on the CPU: nothing to pin for
+    layout.gather(list(range(5)), out=buf)
+    ptr = buf.data_ptr()
+    pool.give(buf)
+    assert pool.kept_bytes == 2 * 5 * layout.block_bytes
+    again = pool.take(layout, 3)  # a smaller request fits the kept buffer
+    assert again.data_ptr() == ptr and tuple(again.shape) == (2, 3, layout.block_bytes)
+    pool.give(again)
+    with pool.lend(layout, 4) as lent:
+        assert lent.data_ptr() == ptr
+    assert pool.kept_bytes == 2 * 5 * layout.block_bytes
+
+
+def test_staging_pool_buffers_are_exclusive_until_given_back():
+    layout, pool = _small_layout(), StagingPool()
+    a, b = pool.take(layout, 4), pool.take(layout, 4)
+    assert a.data_ptr() != b.data_ptr()
+    pool.give(a)
+    pool.give(b)
+    seen: list[int] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(4)
+
+    def user() -> None:
+        with pool.lend(layout, 4) as buf:
+            barrier.wait(10)  # all four hold one at once
+            with lock:
+                seen.append(buf.data_ptr())
+
+    threads = [threading.Thread(target=user) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(set(seen)) == 4
+
+
+def test_staging_pool_grows_by_replacing_and_keeps_at_most_its_limit():
+    layout = _small_layout()
+    one = 2 * layout.block_bytes  # bytes of one block over both layers
+    pool = StagingPool(limit_bytes=8 * one)
+    pool.give(pool.take(layout, 2))
+    bigger = pool.take(layout, 3)  # replaces the 2-block buffer with one of twice its size
+    assert pool.kept_bytes == 0
+    pool.give(bigger)
+    assert pool.kept_bytes == 4 * one
+    huge = pool.take(layout, 9)  # over the limit: allocated for the call, never kept
+    assert pool.kept_bytes == 4 * one  # and what is kept stays
+    pool.give(huge)
+    assert pool.kept_bytes == 4 * one
+    with pytest.raises(RuntimeError):
+        with pool.lend(layout, 1):
+            raise RuntimeError("the buffer goes back anyway")
+    assert pool.kept_bytes <= 8 * one
+    assert tuple(pool.take(layout, 0).shape) == (2, 0, layout.block_bytes)
+    pool.clear()
+    assert pool.kept_bytes == 0
+
+
+def test_a_buffer_never_given_back_is_not_held_by_the_pool():
+    import gc
+    import weakref
+
+    layout, pool = _small_layout(), StagingPool()
+    buf = pool.take(layout, 2)
+    base = weakref.ref(buf._base)
+    del buf
+    gc.collect()
+    assert base() is None and pool.kept_bytes == 0
+
+
+@pytest.mark.parametrize("where", ["host", "kv"])
+def test_staging_pool_gathered_holds_the_blocks(where):
+    layout, pool = _small_layout(), StagingPool(where=where)  # type: ignore[arg-type]
+    ids = [7, 3, 4, 5, 19]
+    with pool.gathered(layout, ids) as staging:
+        assert torch.equal(staging, layout.gather(ids))
+        ptr = staging.data_ptr()
+    with pool.lend(layout, 5) as again:
+        assert again.data_ptr() == ptr  # given back
+
+
+def test_staging_pool_on_the_kv_device():
+    layout = _small_layout()
+    buf = StagingPool(where="kv").take(layout, 2)
+    assert buf.device == layout.device and tuple(buf.shape) == (2, 2, layout.block_bytes)

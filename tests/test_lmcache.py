@@ -205,6 +205,9 @@ def _raw_put(store: lmc.LMCacheStore, key: bytes, data: torch.Tensor) -> None:
     sm.batched_put([lkey], [obj], location="RemoteBackend")
     while sm.storage_backends["RemoteBackend"].exists_in_put_tasks(lkey):
         time.sleep(0.001)
+    # the lm:// put is not acknowledged: a lookup on the same connection returns once the server took it
+    # (without it the consumer, on its own connection, may read the old object first)
+    assert sm.contains(lkey, search_range=["RemoteBackend"]) is not None
 
 
 @pytest.mark.parametrize("damage", ["payload_bit", "magic", "truncated", "another_key"])
