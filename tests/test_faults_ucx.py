@@ -379,6 +379,23 @@ def test_hostile_params_are_a_miss_at_lookup(tmp_path: Path, name: str) -> None:
     assert not scheduler.on_finished(req, list(range(7))).delay_free
 
 
+def test_an_expired_hand_off_is_said_once_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A consumer that comes after the producer's lease recomputes, and says why (once per request)."""
+    from kvbridge.contract import RequestInfo
+
+    scheduler = _scheduler(tmp_path)
+    req = RequestInfo("late-1", tuple(range(100)), (), _good_params(expires_at=time.time() - 5))
+    with caplog.at_level("WARNING"):
+        for _ in range(3):  # the engine asks every step the request waits
+            assert scheduler.lookup(req, 0).num_tokens == 0
+    said = [r.getMessage() for r in caplog.records if "late-1" in r.getMessage()]
+    assert len(said) == 1 and "lease expired" in said[0], said
+    assert scheduler.stats.refused_handoffs == 1
+    caplog.clear()
+    assert scheduler.lookup(RequestInfo("plain", tuple(range(100)), (), None), 0).num_tokens == 0
+    assert not caplog.records, "a request without params is no refused hand-off"
+
+
 @pytest.mark.parametrize(("num_tokens", "ids", "expected"), [(2**62, [3, 1, 2], 48), (10**9, [5], 16), (48, [3, 1, 2, 4, 6], 48)])
 def test_num_tokens_never_exceeds_the_named_blocks(tmp_path: Path, num_tokens: int, ids: list[int], expected: int) -> None:
     """A huge (or mismatched) num_tokens is capped by the blocks named: the engine never takes unloaded tokens as loaded."""

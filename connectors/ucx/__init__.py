@@ -46,7 +46,7 @@ class UcxBackend(Backend):
         self.stats = UcxStats()
 
     def scheduler(self, engine: EngineInfo) -> UcxScheduler:
-        return UcxScheduler(self.options, engine)
+        return UcxScheduler(self.options, engine, self.stats)
 
     def worker(self, engine: EngineInfo) -> UcxWorker:
         return UcxWorker(self.options, engine, self.stats)

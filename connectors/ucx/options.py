@@ -25,7 +25,9 @@ class UcxOptions:
     - ``registry_dir``: where workers publish their metadata address for their scheduler
       (default: ``$TMPDIR/kvbridge-ucx-<uid>``).
     - ``timeout_s``: a transfer step (handshake, status, each chunk) without progress for this long fails.
-    - ``lease_s``: a producer frees a request's blocks this long after it finished if no release came.
+    - ``lease_s``: a producer frees a request's blocks this long after it finished if no release came
+      (default 480 s, what vLLM's NIXL connector gives a consumer before it aborts; a consumer that comes
+      later recomputes, and says so once at warning level, counted in ``refused_handoffs``).
     - ``chunk_bytes`` / ``max_inflight``: the pull moves chunks of about this many bytes, this many at once.
     - ``progress_mode``: ucxx progress, process-wide: "thread" (default), "blocking", "thread-polling",
       "polling". "blocking" progresses UCX on the runtime's loop thread: measured here ~2x the bulk
@@ -44,7 +46,7 @@ class UcxOptions:
     metadata_port: int = 0
     registry_dir: str = ""
     timeout_s: float = 10.0
-    lease_s: float = 60.0
+    lease_s: float = 480.0
     chunk_bytes: int = 16 << 20
     max_inflight: int = 3
     progress_mode: Literal["thread", "thread-polling", "blocking", "polling"] = "thread"
@@ -76,6 +78,7 @@ class UcxStats(TransferStats):
     refused_pulls: int = 0
     releases: int = 0
     expired_leases: int = 0
+    refused_handoffs: int = 0  # consumer: transfer params it could not use (expired, malformed, altered)
 
 
 __all__ = ["UcxOptions", "UcxStats"]

@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from kvbridge.connectors.ucx import onesided
 from kvbridge.connectors.ucx.wire import MAX_BLOCK_ID, MAX_ID_BYTES, MAX_PULL_IDS
 
@@ -114,35 +115,46 @@ def _is_address(v: Any) -> bool:
     return m is not None and 0 < int(m.group(2)) < 65536
 
 
-def usable_params(params: Any) -> Mapping[str, Any] | None:
-    """``params`` if they are transfer params this version can act on, else ``None`` (a miss): they come
-    from a client or a proxy, so every field is checked here, before the scheduler or the wire sees it."""
+def check_params(params: Any) -> tuple[Mapping[str, Any] | None, str]:
+    """``(params, "")`` if they are transfer params this version can act on, else ``(None, why)`` — ``why``
+    empty when there were none at all. They come from a client or a proxy, so every field is checked
+    here, before the scheduler or the wire sees it; block ids as one array, never one by one."""
+    if params is None:
+        return None, ""
     if not isinstance(params, Mapping) or not _is_int(params.get("kvbridge_version")):
-        return None
+        return None, "not kvbridge transfer params (no kvbridge_version)"
     if params["kvbridge_version"] != PARAMS_VERSION:
-        return None
+        return None, f"kvbridge_version {params['kvbridge_version']}, this consumer reads {PARAMS_VERSION}"
     try:
         ids, n, expires_at = params["block_ids"], params["num_tokens"], float(params["expires_at"])
         names, address = (params["engine_id"], params["request_id"]), params["metadata_address"]
         many = params.get("metadata_addresses", ())
-    except (KeyError, TypeError, ValueError, OverflowError):
-        return None
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        return None, f"malformed ({type(exc).__name__}: {exc})"
     if not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= MAX_PULL_IDS:
-        return None
-    if not all(_is_int(b) and 0 <= b <= MAX_BLOCK_ID for b in ids):
-        return None
-    if not _is_int(n) or n <= 0 or not math.isfinite(expires_at) or expires_at < time.time():
-        return None
+        return None, f"block_ids must be a list of 1 to {MAX_PULL_IDS} ids"
+    arr = np.asarray(ids)  # object or bool dtype for anything but plain ints (floats, strings, huge ints)
+    if arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > MAX_BLOCK_ID:
+        return None, f"block_ids must be ints in 0..{MAX_BLOCK_ID}"
+    if not _is_int(n) or n <= 0 or not math.isfinite(expires_at):
+        return None, "num_tokens or expires_at out of range"
+    if expires_at < time.time():
+        return None, f"the producer's lease expired {time.time() - expires_at:.1f}s ago (its lease_s is too short for this consumer)"
     if not all(is_id(v) for v in names) or not _is_address(address):
-        return None
+        return None, "engine_id, request_id or metadata_address malformed"
     if not isinstance(many, (list, tuple)) or not all(_is_address(a) for a in many):
-        return None
+        return None, "metadata_addresses malformed"
     grant = params.get("grant", "")
     if not isinstance(grant, str) or len(grant) > 256 or not re.fullmatch(r"(?:[0-9a-f]{2})*", grant):
-        return None
-    if grant and not onesided.grant_covers(bytes.fromhex(grant), ids):  # ids altered on the way
-        return None
-    return params
+        return None, "grant malformed"
+    if grant and not onesided.grant_covers(bytes.fromhex(grant), ids):
+        return None, "the grant does not cover these block ids (altered on the way)"
+    return params, ""
 
 
-__all__ = ["PARAMS_VERSION", "PLAN", "Hold", "UcxPlan", "UcxSource", "handoff_params", "is_id", "usable_params"]
+def usable_params(params: Any) -> Mapping[str, Any] | None:
+    """``params`` if :func:`check_params` accepts them, else ``None`` (a miss)."""
+    return check_params(params)[0]
+
+
+__all__ = ["PARAMS_VERSION", "PLAN", "Hold", "UcxPlan", "UcxSource", "check_params", "handoff_params", "is_id", "usable_params"]

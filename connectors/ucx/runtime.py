@@ -11,8 +11,8 @@ cancels the UCX request too).
 
 **Binding.** ``ucxx`` (the maintained successor of ucx-py, RAPIDS) first, ucx-py's ``ucp`` as a
 fallback; both expose the same asyncio calls used here (worker address, endpoint from worker
-address, tag send/recv with ``force_tag``). Neither exposes one-sided RMA from Python, which is why
-the producer serves reads with tag sends.
+address, tag send/recv with ``force_tag``). Neither exposes one-sided RMA from Python: the two-sided
+path (tag sends) runs here, the one-sided lanes in the native ``kvbridge._ucp`` (``onesided.py``).
 
 **Endpoints** are made from worker addresses exchanged over the metadata plane, with UCX error
 handling *off*: only then does UCX use shared memory between processes on one host (with error
@@ -52,6 +52,10 @@ T = TypeVar("T")
 # UCX reads this one when its library loads: it must be set before the import. ucxx itself sets
 # UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows, and UCX would warn about it on every start.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# ucxx's default completes requests by a coroutine that polls with sleep(0): an idle producer or consumer
+# burns a whole core (measured 85-100% here, on the engine's own cores). Python futures are completed by
+# ucxx's notifier thread instead, which sleeps on a condition: ~2% of a core idle. Read at import.
+os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
 
 _HINT = "the ucx backend needs ucxx (or ucx-py); pip install 'kvbridge[ucx]'"
 try:

@@ -12,11 +12,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from kvbridge.connectors.ucx import addresses, onesided
-from kvbridge.connectors.ucx.options import UcxOptions
-from kvbridge.connectors.ucx.params import PLAN, Hold, UcxPlan, UcxSource, handoff_params, usable_params
+from kvbridge.connectors.ucx.options import UcxOptions, UcxStats
+from kvbridge.connectors.ucx.params import PLAN, Hold, UcxPlan, UcxSource, check_params, handoff_params
 
 from kvbridge.contract import (
     BlockLoad,
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _Incoming:
-    """A consumer's request whose params passed :func:`usable_params`, as of its last lookup."""
+    """A consumer's request whose params passed :func:`check_params`, as of its last lookup."""
 
     params: Mapping[str, Any]
     num_computed: int = 0
@@ -53,9 +53,11 @@ class UcxScheduler(SchedulerSide):
     """Scheduler side. As a consumer: admits what the transfer params name and plans the pulls. As a
     producer: holds finished prompts' full blocks for a consumer and says where to pull them from."""
 
-    def __init__(self, options: UcxOptions, engine: EngineInfo):
+    def __init__(self, options: UcxOptions, engine: EngineInfo, stats: UcxStats | None = None):
         self.options = options
         self.engine = engine
+        self.stats: UcxStats = stats if stats is not None else UcxStats()
+        self._refused: set[str] = set()  # live requests whose params were refused (logged once each)
         self.loads = LoadBook()
         self._incoming: dict[str, _Incoming] = {}
         self._holds: list[Hold] = []  # handed off since the last plan: the workers learn them from it
@@ -66,13 +68,24 @@ class UcxScheduler(SchedulerSide):
         self._check_open()
         if self.engine.role == "producer" or self.loads.failed_before(request.request_id):
             return Lookup(0)  # a failed pull is not offered again: the engine recomputes the prompt
-        params = usable_params(request.transfer_params)
-        if params is None or params["engine_id"] == self.engine.engine_id:
+        params, why = check_params(request.transfer_params)
+        if params is None:
+            self._refuse(request.request_id, why)
+            return Lookup(0)
+        if params["engine_id"] == self.engine.engine_id:
             return Lookup(0)
         self._incoming[request.request_id] = _Incoming(params, num_computed_tokens)
         # never more than the named blocks hold: the engine would take the rest as loaded
         loadable = min(params["num_tokens"], len(params["block_ids"]) * self.engine.block_size, request.num_prompt_tokens - 1)
         return Lookup(max(0, loadable - num_computed_tokens), is_async=True)
+
+    def _refuse(self, request_id: str, why: str) -> None:
+        """A hand-off that cannot be used is a miss (the engine recomputes), said once per request."""
+        if not why or request_id in self._refused:
+            return
+        self._refused.add(request_id)
+        self.stats.add(refused_handoffs=1)
+        log.warning("%s: hand-off of %s refused, recomputing its prompt: %s", self.engine.engine_id, request_id, why)
 
     def on_allocated(self, request: RequestInfo, block_ids: Sequence[int], num_external_tokens: int) -> None:
         self._check_open()
@@ -86,8 +99,7 @@ class UcxScheduler(SchedulerSide):
             return
         source = UcxSource.of(incoming.params, tuple(map(int, remote[first:last])))
         local = tuple(map(int, block_ids[first:last]))
-        # the contract still annotates ``source`` as a Mapping; a typed payload goes in as cpu's and chain's do
-        self.loads.plan(BlockLoad(request.request_id, local, source=cast(Any, source)))
+        self.loads.plan(BlockLoad(request.request_id, local, source=source))
 
     def on_report(self, report: WorkerReport) -> None:
         self._check_open()
@@ -104,6 +116,7 @@ class UcxScheduler(SchedulerSide):
     def on_finished(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
         self._check_open()
         self._incoming.pop(request.request_id, None)
+        self._refused.discard(request.request_id)
         ending, _ = self.loads.finish(request.request_id)
         if ending is Ending.IN_FLIGHT:  # a pull still writes into its blocks: freed once the worker reports it
             return FinishDecision(delay_free=True)
