@@ -43,6 +43,19 @@ class _FakeHandler(BaseHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:
         pass
 
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/metrics":  # what vLLM's page says of its queue, as far as the router reads it
+            running = self.server.behaviour.get("running", 0)
+            text = f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"m\"}} {running}\n"
+            data = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        else:
+            self._send(404, {"error": {"message": "no such route"}})
+
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests.append((self.path, body))
@@ -50,6 +63,8 @@ class _FakeHandler(BaseHTTPRequestHandler):
         time.sleep(b.get("delay", 0))
         if "status" in b:
             return self._send(b["status"], {"error": {"message": "bad request from fake"}})
+        if self.server.role == "replica":
+            return self._send(200, {"choices": [{"text": f"from {self.server.url}"}]})
         if self.server.role == "prefill":
             return self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": {"remote": "p1", "block_ids": [1, 2]}})
         if body.get("stream"):
@@ -256,3 +271,81 @@ def test_listen_on_a_port_in_use_is_a_named_error() -> None:
         s.listen()
         with pytest.raises(ConfigError, match="cannot listen"):
             make_server(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], f"127.0.0.1:{s.getsockname()[1]}")
+
+
+# ---- routing -------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def replicas_proxy() -> Iterator[Any]:
+    servers: list[Any] = []
+
+    def start(urls: list[str], policy: str, poll_s: float = 0.05) -> int:
+        srv = make_server([], [], "127.0.0.1:0", 5.0, replicas=urls, policy=policy, poll_s=poll_s)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return int(srv.server_address[1])
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+def _ask(port: int, prompt: str) -> tuple[str, str]:
+    """(which replica answered, the proxy's routing reason)."""
+    status, data, resp = post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 4})
+    assert status == 200, data
+    return json.loads(data)["choices"][0]["text"].removeprefix("from "), resp.getheader("x-kvbridge-route") or ""
+
+
+def test_cache_aware_sends_a_shared_prefix_where_it_was_computed(replicas_proxy: Any) -> None:
+    a, b = FakeServer("replica"), FakeServer("replica")
+    port = replicas_proxy([a.url, b.url], "cache-aware")
+    system = [("You are agent %d. " % i) * 60 for i in range(4)]  # four long system prompts, ~1 KiB each
+    first = {i: _ask(port, system[i] + "question 0")[0] for i in range(4)}
+    assert set(first.values()) == {a.url, b.url}, "new prefixes spread over the replicas (least-loaded)"
+    for turn in range(1, 6):
+        for i in range(4):
+            where, why = _ask(port, system[i] + f"question {turn}")
+            assert where == first[i] and why.startswith("cache-aware: ") and "chunks held" in why
+
+
+def test_round_robin_ignores_prefixes(replicas_proxy: Any) -> None:
+    a, b = FakeServer("replica"), FakeServer("replica")
+    port = replicas_proxy([a.url, b.url], "round-robin")
+    seen = [_ask(port, "same long prompt " * 40)[0] for _ in range(4)]
+    assert seen == [a.url, b.url, a.url, b.url]
+
+
+def test_least_loaded_reads_the_engines_metrics(replicas_proxy: Any) -> None:
+    busy, idle = FakeServer("replica", running=9), FakeServer("replica", running=0)
+    port = replicas_proxy([busy.url, idle.url], "least-loaded", poll_s=0.05)
+    time.sleep(0.5)  # a few polls
+    assert {_ask(port, f"p{i}")[0] for i in range(5)} == {idle.url}
+
+
+def test_a_dead_replica_is_ejected_and_requests_keep_succeeding(replicas_proxy: Any) -> None:
+    a, b = FakeServer("replica"), FakeServer("replica")
+    port = replicas_proxy([a.url, b.url], "cache-aware")
+    prompt = "shared prefix " * 80
+    home = _ask(port, prompt + "0")[0]
+    dead, alive = (a, b) if home == a.url else (b, a)
+    dead.shutdown()
+    dead.server_close()
+    for i in range(1, 6):  # the first retries past the dead one; the rest skip it while it is ejected
+        assert _ask(port, prompt + str(i))[0] == alive.url
+    m = metrics(port)
+    assert m["kvbridge_proxy_upstream_failures_total"] == 1, "ejected after one failure, not tried again meanwhile"
+
+
+def test_router_keeps_a_hot_prefix_from_piling_onto_one_engine() -> None:
+    from kvbridge.vllm.routing import Router
+
+    router = Router(["a", "b"], "cache-aware", chunk_chars=8, max_imbalance=2)
+    body = {"prompt": "x" * 64}
+    d, keys = router.pick(body)
+    router.done(d, keys, ok=True)
+    held = [router.pick(body) for _ in range(2)]  # two in flight on the holder
+    assert all(dec.index == d.index for dec, _ in held)
+    spill, _ = router.pick(body)
+    assert spill.index != d.index and "too busy" in spill.reason

@@ -27,17 +27,19 @@ from __future__ import annotations
 import argparse
 import collections
 import http.client
-import itertools
 import json
 import logging
+import socket
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kvbridge.addresses import parse_host_port, parse_http_url
 from kvbridge.errors import ConfigError
+from kvbridge.vllm.routing import POLICIES, MetricsPoller, Router
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,17 @@ class Upstream:
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             raise UpstreamError(self.url, f"{type(exc).__name__}: {exc}") from exc
+
+    def metrics_text(self) -> str:
+        """Its ``/metrics`` page (for the router's poller; a short deadline of its own)."""
+        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
+        conn = cls(self.host, self.port, timeout=min(self.timeout, 2.0))
+        try:
+            conn.request("GET", self.prefix + "/metrics")
+            resp = conn.getresponse()
+            return resp.read().decode(errors="replace") if resp.status == 200 else ""
+        finally:
+            conn.close()
 
     def post_json(self, path: str, payload: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
         """POST ``payload``; the decoded JSON answer. Errors -> :class:`UpstreamError`."""
@@ -146,37 +159,47 @@ class Metrics:
 
 
 class ProxyServer(ThreadingHTTPServer):
-    """The proxy's HTTP server; ``prefill``/``decode`` are picked round-robin per request."""
+    """The proxy's HTTP server: P/D (``prefill`` + ``decode`` pools) or plain ``replicas``, each pool routed
+    by a :class:`~kvbridge.vllm.routing.Router` under ``policy``."""
 
     daemon_threads = True
 
-    def __init__(self, listen: tuple[str, int], prefill: Sequence[Upstream], decode: Sequence[Upstream]):
-        if not prefill or not decode:
-            raise ConfigError("the proxy needs at least one prefill and one decode server")
-        self.prefill_servers, self.decode_servers = list(prefill), list(decode)
-        self._prefill: Iterator[Upstream] = itertools.cycle(self.prefill_servers)
-        self._decode: Iterator[Upstream] = itertools.cycle(self.decode_servers)
-        self._lock = threading.Lock()
+    def __init__(self, listen: tuple[str, int], prefill: Sequence[Upstream], decode: Sequence[Upstream],
+                 replicas: Sequence[Upstream] = (), policy: str = "round-robin", poll_s: float = 1.0):  # fmt: skip
+        if policy not in POLICIES:
+            raise ConfigError(f"proxy --policy must be one of {list(POLICIES)}, got {policy!r}")
+        if replicas and (prefill or decode):
+            raise ConfigError("the proxy takes either --replica servers or --prefill and --decode servers, not both")
+        if not replicas and (not prefill or not decode):
+            raise ConfigError("the proxy needs at least one prefill and one decode server (or --replica servers)")
+        self.prefill_servers, self.decode_servers, self.replicas = list(prefill), list(decode), list(replicas)
+        self.policy = policy
+        # prefill engines (or replicas) hold the prompts' prefixes: they get the policy; decode engines get
+        # their KV handed over, so only their load matters
+        first = self.replicas or self.prefill_servers
+        self.router = Router([u.url for u in first], policy)
+        self.decode_router = Router([u.url for u in self.decode_servers] or ["-"],
+                                    "round-robin" if policy == "round-robin" else "least-loaded")  # fmt: skip
         self.metrics = Metrics()
+        self._pollers = [MetricsPoller(r, [u.metrics_text for u in ups], poll_s)
+                         for r, ups in ((self.router, first), (self.decode_router, self.decode_servers))
+                         if r.policy != "round-robin" and ups]  # fmt: skip
         if ":" in listen[0]:
-            self.address_family = __import__("socket").AF_INET6
+            self.address_family = socket.AF_INET6
         try:
             super().__init__(listen, _Handler)
         except OSError as exc:
             raise ConfigError(f"proxy: cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}") from exc
+        for poller in self._pollers:
+            poller.start()
 
-    def pick(self) -> tuple[list[Upstream], Upstream]:
-        """Prefill servers in the order to try them (round-robin first), and a decode server."""
-        with self._lock:
-            first = next(self._prefill)
-            decode = next(self._decode)
-        i = self.prefill_servers.index(first)
-        return self.prefill_servers[i:] + self.prefill_servers[:i], decode
+    def server_close(self) -> None:
+        for poller in self._pollers:
+            poller.stopped.set()
+        super().server_close()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that hung up is not an error worth a traceback."""
-        import sys
-
         exc = sys.exc_info()[1]
         if isinstance(exc, (ConnectionError, TimeoutError)):
             log.debug("client %s went away: %s", client_address, exc)
@@ -200,8 +223,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/metrics":
             self._send_bytes(200, self.server.metrics.render().encode(), "text/plain; version=0.0.4")
         elif path == "/v1/models":
-            _, decode = self.server.pick()
-            self._forward(lambda: decode.open("GET", "/v1/models"))
+            pool = self.server.replicas or self.server.decode_servers
+            self._forward(lambda: pool[0].open("GET", "/v1/models"))
         else:
             self._send_json(404, {"error": {"message": f"no route {path}", "type": "not_found"}})
 
@@ -217,40 +240,80 @@ class _Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             self._send_json(400, {"error": {"message": "the request body must be a JSON object", "type": "invalid_request"}})
             return
-        prefills, decode = self.server.pick()
         headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "x-request-id")}
-        json_headers = {**headers, "Content-Type": "application/json"}
-        if path in FORWARDED_POSTS:
-            self._forward(lambda: decode.open("POST", path, json.dumps(body).encode(), json_headers))
+        srv = self.server
+        self._route: str | None = None  # why the prefill went where it went (a keep-alive handler serves many)
+        if path in FORWARDED_POSTS:  # tokenizers are the same everywhere: any server that decodes
+            pool, router = (srv.replicas, srv.router) if srv.replicas else (srv.decode_servers, srv.decode_router)
+            self._routed(pool, router, None, path, body, headers)
             return
         t0 = time.perf_counter()
-        self.server.metrics.count("requests")
+        srv.metrics.count("requests")
+        if srv.replicas:
+            self._routed(srv.replicas, srv.router, body, path, body, headers)
+            srv.metrics.time("request", time.perf_counter() - t0)
+            return
         try:
-            answer = self._prefill(prefills, path, body, headers)
+            answer = self._prefill(path, body, headers)
         except UpstreamError as exc:  # the client's own error (4xx): it sees the server's answer
-            self.server.metrics.count("client_errors")
+            srv.metrics.count("client_errors")
             self._send_error(exc)
             return
-        self.server.metrics.time("prefill", time.perf_counter() - t0)
-        payload = json.dumps(decode_request(body, answer) if answer is not None else body).encode()
-        self._forward(lambda: decode.open("POST", path, payload, json_headers))
-        self.server.metrics.time("request", time.perf_counter() - t0)
+        srv.metrics.time("prefill", time.perf_counter() - t0)
+        payload = decode_request(body, answer) if answer is not None else body
+        self._routed(srv.decode_servers, srv.decode_router, None, path, payload, headers)
+        srv.metrics.time("request", time.perf_counter() - t0)
 
-    def _prefill(self, prefills: Sequence[Upstream], path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
-        """The first prefill server's answer; ``None`` when every one failed (the decode server then
-        recomputes the prompt). A 4xx is the client's error and is raised."""
-        failures = []
-        for prefill in prefills:
+    def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
+        """The first prefill server's answer, in the router's order; ``None`` when every one failed (the
+        decode server then recomputes the prompt). A 4xx is the client's error and is raised."""
+        srv, failures, tried = self.server, [], list[int]()
+        while len(tried) < len(srv.prefill_servers):
+            decision, keys = srv.router.pick(body, exclude=tried)
+            tried.append(decision.index)
+            srv.metrics.count(f"route_{decision.reason.split(':')[0].replace('-', '_')}")
             try:
-                return prefill.post_json(path, prefill_request(body), headers)
+                answer = srv.prefill_servers[decision.index].post_json(path, prefill_request(body), headers)
             except UpstreamError as exc:
+                srv.router.done(decision, keys, ok=exc.status < 500)
                 if exc.status < 500:
                     raise
                 failures.append(str(exc))
-                self.server.metrics.count("prefill_failures")
-        self.server.metrics.count("prefill_fallbacks")
+                srv.metrics.count("prefill_failures")
+                continue
+            srv.router.done(decision, keys, ok=True)
+            self._route = decision.reason
+            return answer
+        srv.metrics.count("prefill_fallbacks")
         log.warning("every prefill server failed (%s); decoding without a hand-off (the prompt is recomputed)", "; ".join(failures))
         return None
+
+    def _routed(self, pool: Sequence[Upstream], router: Router, route_body: dict[str, Any] | None, path: str,
+                body: dict[str, Any], headers: dict[str, str]) -> None:  # fmt: skip
+        """Send ``body`` to an upstream of ``pool`` chosen by ``router`` and relay its answer; one that fails
+        before its first byte is ejected and the next one tried (a retry is safe: nothing reached the client)."""
+        payload = json.dumps(body).encode()
+        tried: list[int] = []
+        last: UpstreamError | None = None
+        while len(tried) < len(pool):
+            decision, keys = router.pick(route_body, exclude=tried)
+            tried.append(decision.index)
+            try:
+                resp = pool[decision.index].open("POST", path, payload, {**headers, "Content-Type": "application/json"})
+            except UpstreamError as exc:
+                router.done(decision, keys, ok=False)
+                self.server.metrics.count("upstream_failures")
+                last = exc
+                continue
+            ok = resp.status < 500
+            try:
+                self._relay(resp, route=self._route or decision.reason)
+            finally:
+                router.done(decision, keys, ok=ok)
+            return
+        self.server.metrics.count("decode_failures")
+        assert last is not None
+        self._send_error(last)
 
     def _forward(self, call: Callable[[], http.client.HTTPResponse]) -> None:
         try:
@@ -260,11 +323,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(exc)
 
     # ---- responses -----------------------------------------------------------------------------
-    def _relay(self, resp: http.client.HTTPResponse) -> None:
-        """Pass an upstream response on: as chunks when it streams, else whole."""
+    def _relay(self, resp: http.client.HTTPResponse, route: str | None = None) -> None:
+        """Pass an upstream response on: as chunks when it streams, else whole; ``route`` says why it went there."""
         try:
             streaming = resp.getheader("Transfer-Encoding", "").lower() == "chunked" or resp.getheader("Content-Length") is None
             self.send_response(resp.status)
+            if route:
+                self.send_header("x-kvbridge-route", route)
             for key, value in resp.getheaders():
                 if key.lower() not in _HOP_BY_HOP:
                     self.send_header(key, value)
@@ -309,7 +374,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def make_server(prefill: Sequence[str], decode: Sequence[str], listen: str = "127.0.0.1:8000", timeout: float = 300.0) -> ProxyServer:
+def make_server(prefill: Sequence[str], decode: Sequence[str], listen: str = "127.0.0.1:8000", timeout: float = 300.0,
+                *, replicas: Sequence[str] = (), policy: str = "round-robin", poll_s: float = 1.0) -> ProxyServer:  # fmt: skip
     """A proxy bound to ``listen`` (``HOST:PORT``; port 0 picks a free one), not yet serving.
     Bad input raises :class:`~kvbridge.errors.ConfigError` naming it."""
     where = parse_host_port(listen, what="proxy --listen", allow_zero=True)
@@ -317,6 +383,9 @@ def make_server(prefill: Sequence[str], decode: Sequence[str], listen: str = "12
         (where.host, where.port),
         [Upstream(u, timeout) for u in prefill],
         [Upstream(u, timeout) for u in decode],
+        [Upstream(u, timeout) for u in replicas],
+        policy,
+        poll_s,
     )
 
 
@@ -345,8 +414,12 @@ def _positive(text: str) -> float:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     url = _checked(lambda t: parse_http_url(t, what="URL"))
-    parser.add_argument("--prefill", action="append", required=True, type=url, metavar="URL", help="prefill server (repeatable)")
-    parser.add_argument("--decode", action="append", required=True, type=url, metavar="URL", help="decode server (repeatable)")
+    parser.add_argument("--prefill", action="append", default=[], type=url, metavar="URL", help="prefill server (repeatable)")
+    parser.add_argument("--decode", action="append", default=[], type=url, metavar="URL", help="decode server (repeatable)")
+    parser.add_argument("--replica", action="append", default=[], type=url, metavar="URL",
+                        help="a plain (not disaggregated) server, instead of --prefill/--decode (repeatable)")
+    parser.add_argument("--policy", choices=POLICIES, default="cache-aware",
+                        help="how an upstream is picked (default %(default)s; see kvbridge.vllm.routing)")
     parser.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="where to listen (default %(default)s)",
                         type=_checked(lambda t: parse_host_port(t, what="HOST:PORT", allow_zero=True)))  # fmt: skip
     parser.add_argument("--timeout", type=_positive, default=300.0, help="seconds an upstream may stay silent (default %(default)s)")
@@ -354,9 +427,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    server = make_server(args.prefill, args.decode, args.listen, args.timeout)
+    server = make_server(args.prefill, args.decode, args.listen, args.timeout, replicas=args.replica, policy=args.policy)
     host, port = str(server.server_address[0]), int(server.server_address[1])
-    print(f"kvbridge proxy on http://{host}:{port}  prefill={args.prefill} decode={args.decode}", flush=True)
+    upstreams = f"replicas={args.replica}" if args.replica else f"prefill={args.prefill} decode={args.decode}"
+    print(f"kvbridge proxy on http://{host}:{port}  {upstreams} policy={args.policy}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
