@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import time
@@ -26,18 +27,41 @@ from kvbridge.errors import TransferTimeout
 from kvbridge.keys import block_keys
 from kvbridge.layout import BLOCKS_FIRST, KVLayout
 
+Corrupt = Callable[["MiniEngine", "MiniEngine", Sequence[bytes]], int]
+Vanish = Callable[["MiniEngine", "MiniEngine"], None]
+BreakSaves = Callable[["MiniEngine", "MiniEngine"], contextlib.AbstractContextManager[None]]
+
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """What a backend gives the conformance suite: a producer and a consumer backend.
+    """What a backend gives the conformance suite: a producer and a consumer backend, and the faults
+    its medium can be put through.
 
     ``consumer=None`` means one engine plays both roles (a tier private to one engine, like ``cpu``).
     ``cleanup`` runs after the test.
+
+    The fault hooks are optional; each takes the producer and the consumer engine (the same engine
+    for a one-engine target), as the suite opened them over this target's backends:
+
+    - ``corrupt(producer, consumer, keys)`` damages every stored copy of the blocks ``keys`` in the way
+      the medium's own checks exist to catch (flipped bytes in a file, a slot whose write never
+      completed), and returns how many stored objects it damaged.
+    - ``vanish(producer, consumer)`` takes the medium away: everything stored is gone (a removed
+      directory, a cleared store, a peer that stopped), while the indexes may still claim it.
+    - ``break_saves(producer, consumer)`` is a context manager inside which saves fail; leaving it
+      gives the medium back.
+
+    A test needing a hook the target lacks is skipped, with the reason from ``absent`` (hook name ->
+    why this medium has none) when the target gives one.
     """
 
     producer: Backend
     consumer: Backend | None = None
     cleanup: Callable[[], None] | None = None
+    corrupt: Corrupt | None = None
+    vanish: Vanish | None = None
+    break_saves: BreakSaves | None = None
+    absent: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -189,13 +213,34 @@ class MiniEngine:
 
     # ---- the request life cycle ------------------------------------------------------------------
     def prefill(self, request_id: str, tokens: Sequence[int], params: Mapping[str, Any] | None = None, *,
-                timeout: float = 30.0, step_after: bool = True, wait_saves: bool = True) -> PrefillResult:
+                timeout: float = 30.0, step_after: bool = True, wait_saves: bool = True,
+                before_load: Callable[[], None] | None = None) -> PrefillResult:
         return self.prefill_many([(request_id, tokens, params)], timeout=timeout, step_after=step_after,
-                                 wait_saves=wait_saves)[0]
+                                 wait_saves=wait_saves, before_load=before_load)[0]
+
+    def admit(self, request_id: str, tokens: Sequence[int], params: Mapping[str, Any] | None = None
+              ) -> tuple[RequestInfo, list[int], int]:
+        """The first half of a request's arrival: ``lookup``, allocation of all its blocks, ``on_allocated``.
+        Returns the request, its block ids and the tokens it accepted from the backend."""
+        req = self.request(request_id, tokens, params)
+        n_ext = self.scheduler.lookup(req, 0).num_tokens
+        ids = self.allocate(-(-req.num_prompt_tokens // self.block_size))
+        self.scheduler.on_allocated(req, ids, n_ext)
+        return req, ids, n_ext
+
+    def finish(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
+        """The request ended: its blocks are freed now, or held (``delay_free``) until the worker reports
+        it in ``finished_saving`` (:attr:`held`)."""
+        decision = self.scheduler.on_finished(request, block_ids)
+        if decision.delay_free:
+            self._held[request.request_id] = list(block_ids)
+        else:
+            self.free(block_ids)
+        return decision
 
     def prefill_many(
         self, requests: Sequence[tuple[str, Sequence[int], Mapping[str, Any] | None]], *, timeout: float = 30.0,
-        step_after: bool = True, wait_saves: bool = True,
+        step_after: bool = True, wait_saves: bool = True, before_load: Callable[[], None] | None = None,
     ) -> list[PrefillResult]:
         """Prefill several requests in the same steps (their loads share one plan), then finish them.
 
@@ -204,15 +249,16 @@ class MiniEngine:
         ``step_after=False`` models an engine that goes idle once the requests end (vLLM's offline
         ``LLM.generate`` returning, an API server after its last request): no step follows the finish.
         ``wait_saves`` waits, before the requests end, until their saves are durable (a client that
-        needs the next request to find them); ``False`` leaves them running in the background."""
+        needs the next request to find them); ``False`` leaves them running in the background.
+        ``before_load`` runs once the backend has offered and the engine allocated, before the plan with
+        the loads reaches the worker (a fault between a lookup and its load)."""
         bs = self.block_size
-        reqs = [self.request(rid, toks, params) for rid, toks, params in requests]
-        accepted, blocks = {}, {}
-        for req in reqs:
-            n_ext = self.scheduler.lookup(req, 0).num_tokens
-            blocks[req.request_id] = self.allocate(-(-req.num_prompt_tokens // bs))
-            accepted[req.request_id] = n_ext
-            self.scheduler.on_allocated(req, blocks[req.request_id], n_ext)
+        reqs, accepted, blocks = [], {}, {}
+        for rid, toks, params in requests:
+            req, blocks[rid], accepted[rid] = self.admit(rid, toks, params)
+            reqs.append(req)
+        if before_load is not None:
+            before_load()
         waiting = {rid for rid, n in accepted.items() if n > 0}
         failed: set[int] = set()
         if waiting:
@@ -254,11 +300,7 @@ class MiniEngine:
         for req in reqs:
             ids = blocks[req.request_id]
             snapshot = self.read(ids)
-            decision = self.scheduler.on_finished(req, ids)
-            if decision.delay_free:
-                self._held[req.request_id] = ids
-            else:
-                self.free(ids)
+            decision = self.finish(req, ids)
             results.append(
                 PrefillResult(
                     req.request_id,
