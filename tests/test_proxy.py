@@ -301,7 +301,7 @@ def _ask(port: int, prompt: str) -> tuple[str, str]:
 def test_cache_aware_sends_a_shared_prefix_where_it_was_computed(replicas_proxy: Any) -> None:
     a, b = FakeServer("replica"), FakeServer("replica")
     port = replicas_proxy([a.url, b.url], "cache-aware")
-    system = [("You are agent %d. " % i) * 60 for i in range(4)]  # four long system prompts, ~1 KiB each
+    system = [f"You are agent {i}. " * 60 for i in range(4)]  # four long system prompts, ~1 KiB each
     first = {i: _ask(port, system[i] + "question 0")[0] for i in range(4)}
     assert set(first.values()) == {a.url, b.url}, "new prefixes spread over the replicas (least-loaded)"
     for turn in range(1, 6):

@@ -41,6 +41,7 @@ from kvbridge.addresses import HostPort, parse_host_port
 from kvbridge.errors import ConfigError
 from kvbridge.metadata import wire
 from kvbridge.metadata.directory import Directory
+from kvbridge.metadata.redis_directory import RedisDirectory
 from kvbridge.metadata.types import PeerInfo
 from kvbridge.v1 import metadata_pb2 as pb
 
@@ -120,7 +121,7 @@ class MetadataServer:
         tls: wire.ServerTLS | None = None,
         on_handshake: HandshakeCallback | None = None,
         on_release: ReleaseCallback | None = None,
-        directory: Directory | bool = True,
+        directory: Directory | RedisDirectory | bool = True,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         max_hashes: int = wire.MAX_HASHES,
         max_workers: int = 8,
@@ -132,7 +133,7 @@ class MetadataServer:
             raise ConfigError("max_hashes, max_workers must be >= 1 and max_message_bytes >= 1024")
         self.listen = str(parse_host_port(listen, what="metadata server listen address", allow_zero=True))
         self.port: int | None = None
-        self.directory: Directory | None = (Directory() if directory is True else directory) or None
+        self.directory: Directory | RedisDirectory | None = (Directory() if directory is True else directory) or None
         self._tls = tls
         self._on_handshake = on_handshake
         self._on_release = on_release
@@ -276,7 +277,7 @@ class MetadataServer:
             raise
         return pb.ReleaseResponse(duplicate=False, held=bool(held))
 
-    def _dir(self) -> Directory:
+    def _dir(self) -> Directory | RedisDirectory:
         if self.directory is None:
             raise wire.Unimplemented("this metadata server keeps no directory")
         return self.directory
@@ -323,6 +324,9 @@ def _host_port(text: str) -> str:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT; port 0 picks a free one (default %(default)s)",
                         type=_host_port)
+    parser.add_argument("--directory", default="", metavar="URL",
+                        help="keep the block directory in Redis/Valkey (redis://HOST:PORT/DB), shared by every "
+                             "server that names it; default: in this process")
     parser.add_argument("--token-file", help=f"file holding the shared token (default: ${TOKEN_ENV}, else no token)")
     parser.add_argument("--tls-cert", help="server certificate chain (PEM); with --tls-key enables TLS")
     parser.add_argument("--tls-key", help="server private key (PEM)")
@@ -345,8 +349,11 @@ def _standalone(args: argparse.Namespace) -> MetadataServer:
         tls = wire.ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
     elif args.tls_client_ca:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    directory: Any = True
+    if args.directory:
+        directory = RedisDirectory(args.directory)  # the URL is checked here; the server may come later
     return MetadataServer(args.listen, token=token, tls=tls, max_hashes=args.max_hashes,
-                          max_message_bytes=args.max_message_bytes)
+                          max_message_bytes=args.max_message_bytes, directory=directory)
 
 
 def run(args: argparse.Namespace) -> int:

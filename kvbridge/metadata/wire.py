@@ -176,6 +176,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.PERMISSION_DENIED, "unauthorized"
     if isinstance(exc, ProtocolError):
         return grpc.StatusCode.FAILED_PRECONDITION, "protocol"
+    if isinstance(exc, PeerUnreachable):  # a backing service (a Redis directory) is down: retryable
+        return grpc.StatusCode.UNAVAILABLE, "unavailable"
     return grpc.StatusCode.INTERNAL, "internal"
 
 
