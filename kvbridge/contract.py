@@ -250,11 +250,13 @@ class WorkerSide(_Closable, abc.ABC):
     def start_step(self, plan: StepPlan) -> None:
         """Begin the step: start the plan's loads (asynchronously) and remember its saves."""
 
-    def wait_layer(self, layer: int) -> None:  # noqa: B027 - optional hook
+    def wait_layer(self, layer: int) -> None:
         """Return once layer ``layer`` of this step's synchronous loads is in place (default: none are)."""
+        self._check_open()
 
-    def save_layer(self, layer: int) -> None:  # noqa: B027 - optional hook
+    def save_layer(self, layer: int) -> None:
         """Layer ``layer`` has been computed for this step; a backend may start saving it now."""
+        self._check_open()
 
     @abc.abstractmethod
     def finish_step(self) -> None:

@@ -231,6 +231,9 @@ class StoreScheduler(SchedulerSide):
             op = result.op
             failed = [k for b, k in zip(op.block_ids, op.keys) if b in result.failed]
             self.index.release(op.request_id, failed)
+            tracked = self._requests.get(op.request_id)
+            if failed and tracked is not None:  # the engine recomputes from the first failed block: save those again
+                tracked.saved_upto = min(tracked.saved_upto, tracked.info.block_keys.index(failed[0]))
         for rid in self._releasing & report.finished_saving:
             self._releasing.discard(rid)
             self.index.release(rid)

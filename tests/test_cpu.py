@@ -236,3 +236,24 @@ def test_a_slot_without_the_expected_key_is_never_loaded():
         assert torch.equal(e.read([10, 11]), before)
     finally:
         e.close()
+
+
+def test_blocks_recomputed_after_a_failed_load_are_saved_again(tmp_path):
+    """An engine playing both roles whose load failed from block 1 recomputes blocks 1.. and stores them
+    again, so the next request with the prompt loads all of it (not one more recompute)."""
+    from kvbridge.testing.targets import target_for
+
+    target = target_for("cpu", tmp_path)
+    assert target.corrupt is not None
+    e = MiniEngine(target.producer, role="both")
+    try:
+        tokens = list(range(4 * 16 + 5))
+        sent = e.prefill("a", tokens)
+        assert target.corrupt(e, e, sent.keys[1:2]) > 0
+        got = e.prefill("b", tokens)
+        assert got.loaded_blocks == got.block_ids[:1] and got.block_ids[1] in got.failed_blocks
+        again = e.prefill("c", tokens)
+        assert len(again.loaded_blocks) == 4 and not again.failed_blocks
+        assert torch.equal(again.snapshot[:, :4], sent.snapshot[:, :4])
+    finally:
+        e.close()

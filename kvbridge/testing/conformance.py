@@ -281,6 +281,8 @@ def _every_public_call(engine: MiniEngine) -> dict[str, Callable[[], Any]]:
         "on_finished": lambda: sched.on_finished(req, [0, 1]),
         "register": lambda: worker.register(engine.layout),
         "start_step": lambda: worker.start_step(EMPTY_PLAN),
+        "wait_layer": lambda: worker.wait_layer(0),
+        "save_layer": lambda: worker.save_layer(0),
         "finish_step": lambda: worker.finish_step(),
         "poll": lambda: worker.poll(),
         "wait_idle": lambda: worker.wait_idle(0.1),
