@@ -64,6 +64,7 @@ def pd_servers(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, int]]:
     store = str(tmp_path / "store")
     ports = {"prefill": free_port(), "decode": free_port(), "proxy": free_port()}
     procs: list[tuple[subprocess.Popen, Path, int]] = []
+    by_role: dict[str, subprocess.Popen] = {}
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         kv = {"kv_connector": "kvbridge.FSConnector", "kv_role": kv_role, "kv_connector_extra_config": {"path": store}}
         log = tmp_path / f"{role}.log"
@@ -74,7 +75,8 @@ def pd_servers(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, int]]:
             "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(ports[role]),
             "--kv-transfer-config", json.dumps(kv),
         ]  # fmt: skip
-        procs.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env), log, ports[role]))
+        by_role[role] = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+        procs.append((by_role[role], log, ports[role]))
     proxy_log = tmp_path / "proxy.log"
     proxy_cmd = [
         sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", f"http://127.0.0.1:{ports['prefill']}",
@@ -85,7 +87,7 @@ def pd_servers(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, int]]:
         deadline = time.monotonic() + SERVER_START_S
         for proc, log, port in procs:
             wait_healthy(port, proc, log, deadline)
-        yield ports
+        yield {**ports, "procs": by_role}  # type: ignore[dict-item]
     finally:
         for proc, _, _ in procs:
             proc.terminate()
@@ -126,7 +128,7 @@ def chat(port: int, content: str) -> dict:
     return json.loads(data)
 
 
-def test_proxy_pd_equals_single_server(pd_servers: dict[str, int], prompts: dict, baseline: dict) -> None:
+def test_proxy_pd_equals_single_server(pd_servers: dict[str, Any], prompts: dict, baseline: dict) -> None:
     proxy, direct = pd_servers["proxy"], pd_servers["prefill"]
 
     via_proxy = completion(proxy, text_of(prompts["A"]))
@@ -145,3 +147,18 @@ def test_proxy_pd_equals_single_server(pd_servers: dict[str, int], prompts: dict
     via_chat = chat(proxy, text_of(prompts["C"]))
     assert via_chat["choices"][0]["message"]["content"] == chat(direct, text_of(prompts["C"]))["choices"][0]["message"]["content"]
     assert (via_chat["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") == FULL_TOKENS, via_chat["usage"]
+
+    # the proxy stands in for a vLLM server: its tokenizer routes and its own metrics
+    status, data = call(proxy, "POST", "/tokenize", {"model": "tiny", "prompt": text_of(prompts["A"][:5])})
+    assert status == 200 and json.loads(data)["tokens"] == prompts["A"][:5]
+    status, data = call(proxy, "GET", "/metrics")
+    assert status == 200 and b"kvbridge_proxy_requests_total 3" in data, data[:800]
+
+    # a dead prefill engine costs latency, never a request: the decode engine recomputes the prompt
+    pd_servers["procs"]["prefill"].kill()
+    pd_servers["procs"]["prefill"].wait(30)
+    for name in ("A", "B"):
+        got = completion(proxy, text_of(prompts[name]))["choices"][0]
+        assert got["token_ids"] == baseline[name]["tokens"], "recomputed on the decode engine, same tokens"
+    status, data = call(proxy, "GET", "/metrics")
+    assert b"kvbridge_proxy_prefill_fallbacks_total 2" in data, data[:800]
