@@ -6,10 +6,11 @@ SPEC: ``model``, ``dtype``, ``kv`` (a KVTransferConfig dict, or null for a plain
 ``kv_bytes``, ``llm_args`` (more ``LLM(...)`` arguments: ``max_model_len``, ``block_size``, ...),
 ``requests`` (``[{"name", "prompt", "max_tokens", "kv_transfer_params"?, "reset_cache"?}]``,
 generated one after the other; a prompt is token ids, or text where ``text`` is set: the engine then
-tokenizes), ``groups`` (lists of request names instead: each group in one ``generate`` call), ``watch`` (a directory: record the files each request adds),
-``publish`` (write ``{name: kv_transfer_params}`` there once the requests are done), ``params_from``
-(wait for such a file and send each request with its entry, or with the entry ``params_of`` names,
-updated by ``params_patch``), ``done`` (touch this file at the end),
+tokenizes), ``groups`` (lists of request names instead: each group in one ``generate`` call, with
+per-request TTFT where ``llm_args`` has ``disable_log_stats: false``), ``watch`` (a directory: record
+the files each request adds), ``publish`` (write ``{name: kv_transfer_params}`` there once the
+requests are done), ``params_from`` (wait for such a file and send each request with its entry, or
+with the entry ``params_of`` names, updated by ``params_patch``), ``done`` (touch this file at the end),
 ``hold`` (after the requests, stay up until this file exists — a peer producer must outlive its
 consumer's pulls; the engine steps only while it has unfinished requests, so a producer is idle then),
 ``batch`` (generate every request in one ``LLM.generate`` call, as vLLM's offline P/D pattern does; no
@@ -53,14 +54,13 @@ def main() -> None:
     if spec.get("kv"):
         kw["kv_transfer_config"] = KVTransferConfig(**spec["kv"])
     kw.update(spec.get("llm_args") or {})  # more LLM(...) arguments, or other values for those below
-    kw = {"block_size": 32, "max_model_len": 512, **kw}
+    kw = {"block_size": 32, "max_model_len": 512, "distributed_executor_backend": None if multiprocess else "uni", **kw}
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=not spec.get("text"),
         enforce_eager=True,
         dtype=spec.get("dtype", "float32"),
         kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
-        distributed_executor_backend=None if multiprocess else "uni",
         seed=0,
         **kw,
     )
@@ -102,7 +102,7 @@ def main() -> None:
         )
         before_files, before = _files(spec.get("watch")), totals()
         t = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": req["prompt"]}], sp, use_tqdm=False)[0]
+        out = llm.generate([_prompt(req)], sp, use_tqdm=False)[0]
         wall = time.perf_counter() - t
         if worker_conn is not None:  # loads and saves finish off the forward path: let them land
             wait = getattr(worker_conn._worker.side, "wait_idle", None)
@@ -174,6 +174,7 @@ def _groups(llm, spec: dict, worker_conn, totals) -> dict:
                 "num_cached_tokens": out.num_cached_tokens,
                 "kv_transfer_params": out.kv_transfer_params,
                 "wall_s": wall,
+                "ttft_s": getattr(out.metrics, "first_token_latency", None),  # with llm_args disable_log_stats=False
                 "worker": _diff(after["worker"], before["worker"]),
                 "scheduler": _diff(after["scheduler"], before["scheduler"]),
             }

@@ -1,0 +1,32 @@
+"""Time to first token of a 1,500-token prompt whose KV an engine loads from fs, against recomputing it.
+
+In both vLLM process layouts — single-process (engine loop, scheduler and worker in one process, as
+vLLM's offline ``LLM`` runs) and multiprocess (engine core and worker in their own processes) — a load
+must beat recomputing the prompt, and give the same output. ``ttft.py`` does the measuring (and prints
+the figures when run by hand).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from pdkit import assert_same_output
+from ttft import measure, ttft
+
+TOKENS = 1500
+LAYOUTS = ("single", "multi")
+
+
+def test_loaded_prompt_beats_recomputing_it_in_every_layout(tmp_path: Path) -> None:
+    out = measure(tmp_path, tokens=TOKENS, prompts=3, layouts=LAYOUTS)
+    figures = out["figures"]
+    for layout in LAYOUTS:
+        loaded, recomputed = out[layout]["loaded"], out[layout]["recomputed"]
+        for name, got in loaded.items():
+            assert got["num_cached_tokens"] == TOKENS // 32 * 32, (layout, name, got["num_cached_tokens"])
+            assert_same_output(got, out["reference"][name])  # the producer recomputed these very prompts
+        loaded_ms = statistics.median(1e3 * ttft(r) for r in loaded.values())
+        recomputed_ms = statistics.median(1e3 * ttft(r) for r in recomputed.values())
+        print(f"{layout}: loaded {loaded_ms:.1f} ms, recomputed {recomputed_ms:.1f} ms")
+        assert loaded_ms < recomputed_ms, f"{layout}: loaded {loaded_ms:.1f} ms >= recomputed {recomputed_ms:.1f} ms; {figures}"
