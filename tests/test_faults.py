@@ -234,3 +234,23 @@ def test_soak_chain_concurrent_requests_bit_exact_and_flat(tmp_path, capsys):
     assert rss_start is not None and rss_end - rss_start < 64
     assert _fds() <= fds_before + 2
     assert threading.active_count() <= threads_before
+
+
+def test_mini_engine_counts_only_tokens_that_arrived(tmp_path):
+    """A consumer whose every load failed loaded nothing (it was offered the blocks, none arrived)."""
+    from kvbridge.testing import MiniEngine
+    from kvbridge.testing.targets import target_for
+
+    target = target_for("memory", tmp_path)
+    assert target.consumer is not None and target.vanish is not None
+    producer = MiniEngine(target.producer, engine_id="p", role="producer")
+    consumer = MiniEngine(target.consumer, engine_id="c", role="consumer", seed=2)
+    try:
+        tokens = list(range(6 * 16 + 3))
+        producer.prefill("a", tokens)
+        got = consumer.prefill("b", tokens, before_load=lambda: target.vanish(producer, consumer))
+        assert got.offered_tokens == 96 and got.loaded_tokens == 0 and got.loaded_blocks == []
+        assert len(got.failed_blocks) == 6
+    finally:
+        producer.close()
+        consumer.close()

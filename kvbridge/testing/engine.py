@@ -69,12 +69,13 @@ class PrefillResult:
     request_id: str
     block_ids: list[int]
     keys: list[bytes]
-    loaded_tokens: int  # accepted from the backend (lookup)
+    loaded_tokens: int  # tokens whose KV really arrived (a failed block and all after it: recomputed)
     loaded_blocks: list[int]  # blocks that arrived
     failed_blocks: list[int]  # blocks whose load failed (recomputed)
     finish: FinishDecision
     snapshot: torch.Tensor  # the request's blocks after prefill, [num_layers, n, block_bytes]
     reoffered: int = 0  # tokens the backend offered again after this request's load failed (must be 0)
+    offered_tokens: int = 0  # what the backend's lookup offered (accepted by the engine)
 
 
 def fill_pattern(key: bytes, layer: int, nbytes: int) -> torch.Tensor:
@@ -306,12 +307,13 @@ class MiniEngine:
                     req.request_id,
                     ids,
                     list(req.block_keys),
-                    accepted[req.request_id],
+                    min(accepted[req.request_id], len(loaded[req.request_id]) * bs),
                     loaded[req.request_id],
                     sorted(b for b in ids if b in failed),
                     decision,
                     snapshot,
                     reoffered.get(req.request_id, 0),
+                    accepted[req.request_id],
                 )
             )
         if self._held and step_after:
