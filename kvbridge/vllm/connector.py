@@ -114,6 +114,9 @@ def _check_vllm_api() -> None:
 _check_vllm_api()
 
 _ROLES: dict[str, Role] = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+# How long an idle step (see KVBridgeMetadata.idle) may wait for the transfers in flight: bounds the
+# delay of a request that arrives meanwhile; a transfer that lands sooner ends the wait at once.
+IDLE_WAIT_S = 0.01
 _ADAPTER_KEYS = ("backend", "namespace")
 
 
@@ -220,12 +223,15 @@ def split_extra_config(fixed_backend: str | None, extra: Mapping[str, Any] | Non
 
 @dataclasses.dataclass
 class KVBridgeMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """One step's work for the workers: the backend's plan, and requests whose ``finished_saving``
+    """One step's work for the workers: the backend's plan, requests whose ``finished_saving``
     report the workers must not pass on (vLLM already holds their blocks itself, see
-    :meth:`SchedulerAdapter.request_finished`)."""
+    :meth:`SchedulerAdapter.request_finished`), and whether the step is ``idle``: no tokens scheduled,
+    vLLM runs it only to collect finished transfers (every request waits for a load, or for a save
+    to release its blocks)."""
 
     plan: StepPlan = EMPTY_PLAN
     muted: tuple[str, ...] = ()
+    idle: bool = False
 
 
 @dataclasses.dataclass
@@ -349,7 +355,8 @@ class SchedulerAdapter:
                 ids.extend(new_ids[0])
             scheduled.append(self._scheduled(rid, ids, computed, so))
         muted, self._muted = tuple(self._muted), []
-        return KVBridgeMetadata(self.side.plan_step(scheduled), muted)
+        idle = not any(so.num_scheduled_tokens.values())
+        return KVBridgeMetadata(self.side.plan_step(scheduled), muted, idle)
 
     @staticmethod
     def _scheduled(rid: str, ids: Sequence[int], computed: int, so: Any) -> ScheduledRequest:
@@ -396,6 +403,7 @@ class WorkerAdapter:
         self._step_meta: Any = None
         self._failed: set[int] = set()
         self._muted: set[str] = set()
+        self._idle = False  # this step computes nothing (KVBridgeMetadata.idle)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         self.layout = KVLayout.from_tensors(kv_caches, block_size=self.engine.block_size)
@@ -412,6 +420,7 @@ class WorkerAdapter:
                 return
             self.side.finish_step()
         self._in_step, self._step_meta = True, meta
+        self._idle = isinstance(meta, KVBridgeMetadata) and meta.idle
         if isinstance(meta, KVBridgeMetadata):
             self._muted.update(meta.muted)
             self.side.start_step(meta.plan)
@@ -437,6 +446,13 @@ class WorkerAdapter:
         self.side.finish_step()
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        if self._idle:
+            # Nothing to compute until a transfer lands, and vLLM steps again at once (in one process
+            # its engine loop never sleeps): each such step holds the GIL, and the IO thread, which
+            # needs it back after every read, gets it once per switch interval (5 ms) — a 1,500-token
+            # load took 100-800 ms instead of 5. Waiting here, GIL released, lets the transfer run.
+            self._idle = False
+            self.side.wait_idle(IDLE_WAIT_S)
         report = self.side.poll()
         self._failed |= report.failed_blocks
         saved = set(report.finished_saving) - self._muted
