@@ -1,4 +1,4 @@
-"""kvbridge bench and kvbridge simulate: the CLI end to end, records complete, the simulator's promises."""
+"""kvbridge bench: the CLI end to end, records complete; its JSON read by kvbridge simulate (tests/test_simulate.py has the rest)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import statistics
 import pytest
 
 from kvbridge import registry
-from kvbridge.bench import simulate as sim
 from kvbridge.bench.cases import Pair, opened, time_save_stall
 from kvbridge.bench.core import SHAPES, Point, Record
 from kvbridge.cli import main
@@ -106,54 +105,3 @@ def test_simulate_reads_bench_json(bench_json, tmp_path, capsys):
     assert str(path) in capsys.readouterr().out  # the hand-off figure came from the file
 
 
-def _default(**transfer) -> tuple[sim.Workload, sim.Transfer]:
-    return sim.Workload(), sim.Transfer(**transfer)
-
-
-def test_simulator_is_deterministic():
-    w, t = _default()
-    a = sim.scenarios(w, t, 2, [(1, 1)], sim.Slo())
-    b = sim.scenarios(w, t, 2, [(1, 1)], sim.Slo())
-    assert a == b
-    c = sim.scenarios(dataclasses.replace(w, seed=1), t, 2, [(1, 1)], sim.Slo())
-    assert a != c
-
-
-def test_disaggregation_buys_tail_itl_and_costs_ttft():
-    w, t = _default()
-    colo = sim.metrics(sim.simulate(w, t, colocated=2), sim.Slo())
-    disagg = sim.metrics(sim.simulate(w, t, pools=(1, 1)), sim.Slo())
-    assert colo["itl_p99_ms"] > disagg["itl_p99_ms"]
-    assert disagg["ttft_mean_ms"] > colo["ttft_mean_ms"]
-
-
-def test_disaggregated_ttft_grows_with_transfer_cost():
-    w = sim.Workload()
-    ttft = [
-        sim.metrics(sim.simulate(w, t, pools=(1, 1)), sim.Slo())["ttft_mean_ms"]
-        for t in (sim.Transfer(gbps=float("inf"), latency_ms=0), sim.Transfer(gbps=20), sim.Transfer(gbps=5),
-                  sim.Transfer(gbps=1), sim.Transfer(fixed_ms=2000))
-    ]  # fmt: skip
-    assert ttft == sorted(ttft) and ttft[0] < ttft[-1]
-
-
-@pytest.mark.parametrize("deploy", [{"colocated": 2}, {"pools": (1, 1)}, {"pools": (2, 3)}])
-def test_simulator_invariants(deploy):
-    w = sim.Workload(requests=120, decode_steps=7)
-    traces = sim.simulate(w, sim.Transfer(), **deploy)
-    assert len(traces) == w.requests
-    for tr in traces:
-        assert len(tr.token_times) == 1 + w.decode_steps
-        assert all(b > a for a, b in zip(tr.token_times, tr.token_times[1:]))
-        assert tr.token_times[0] >= tr.request.arrival + tr.request.prefill_s - 1e-12
-        assert tr.ttft > 0
-
-
-def test_simulate_cli_default_is_fast(capsys):
-    import time
-
-    t0 = time.perf_counter()
-    assert main(["simulate"]) == 0
-    assert time.perf_counter() - t0 < 2
-    out = capsys.readouterr().out
-    assert "colocated x2" in out and "1P:1D" in out

@@ -1,355 +1,377 @@
-"""``kvbridge simulate``: a discrete-event what-if of colocated vs disaggregated prefill/decode serving.
+"""``kvbridge simulate``: what disaggregating prefill and decode buys and costs, before buying the GPUs.
 
-Requests arrive (Poisson, seeded) with a mix of short and long prompts. A *colocated* server runs
-both phases: a prefill, while it runs, blocks the decode steps of every request on that server
-(prefill first, no chunking). A *disaggregated* deployment of ``xP:yD`` runs prefills on ``x``
-servers and decodes on ``y``; each request's KV is handed off over the decode server's link (one
-transfer at a time, FIFO) and costs ``latency + bytes / GB/s`` — the cost toy simulations leave out.
-
-Decode is continuous batching: one step of ``decode_ms`` serves every request active when it starts.
-Every request gets ``1 + decode_steps`` tokens: the first from its prefill (delivered, under
-disaggregation, when its KV has arrived on the decode server), then one per decode step. Reports
-p50/p99 inter-token latency, mean/p99 time to first token, and goodput under an SLO.
+``--preset toy-go`` is the published toy simulation that motivates P/D disaggregation (kvbridge/bench/sim_toy.py),
+reproducing its table; the default is an engine model (kvbridge/bench/sim_model.py): continuous batching, decode
+steps costing a fixed + per-sequence + per-context-token time, prefill a time per token, a KV capacity, chunked
+prefill, xP:yD pools and the KV hand-off measured by ``kvbridge bench --json`` (``--from-bench``) over a link
+shared by the transfers in flight. Every figure is a median over ``--seeds`` runs with a 95% interval;
+``--sweep-rate`` finds each layout's goodput (the highest rate at which 90% of requests meet the TTFT and TPOT
+targets); ``--json`` and ``--plot`` write them.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import heapq
 import json
 import math
-import random
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-# KV bytes per token of kvbridge.bench.core.SHAPES, without importing torch (this module is pure Python)
-KV_BYTES_PER_TOKEN = {"8b": 32 * 2 * 8 * 128 * 2, "70b": 80 * 2 * 8 * 128 * 2}
+import numpy as np
 
+from kvbridge.bench import sim_inputs as inp
+from kvbridge.bench import sim_toy
+from kvbridge.bench.sim_model import KV_BYTES_PER_TOKEN, EngineModel, HandOff, Layout, Result, Workload, make_requests
+from kvbridge.bench.sim_model import simulate as simulate_engine
+from kvbridge.bench.sim_stats import Slo, gaps, goodput, metrics, summarize
+from kvbridge.errors import ConfigError
 
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """The requests: ``requests`` Poisson arrivals at ``rate``/s, ``long_frac`` of them long prompts.
-
-    A prompt's length is its prefill time times ``prefill_tps``; its KV is ``kv_bytes_per_token`` a token.
-    """
-
-    requests: int = 240
-    rate: float = 2.0
-    long_frac: float = 0.2
-    short_ms: tuple[float, float] = (20.0, 120.0)
-    long_ms: tuple[float, float] = (700.0, 1800.0)
-    decode_steps: int = 20
-    decode_ms: float = 5.0
-    prefill_tps: float = 10_000.0
-    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN["8b"]
-    seed: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Transfer:
-    """KV hand-off cost: ``latency_ms + bytes / gbps``, or ``fixed_ms`` per request when given."""
-
-    gbps: float = 5.0
-    latency_ms: float = 1.0
-    fixed_ms: float | None = None
-
-    def seconds(self, nbytes: int) -> float:
-        if self.fixed_ms is not None:
-            return self.fixed_ms / 1e3
-        return self.latency_ms / 1e3 + (
-            nbytes / (self.gbps * 1e9) if self.gbps > 0 and not math.isinf(self.gbps) else 0.0
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    id: int
-    arrival: float
-    prefill_s: float
-    tokens: int
-    long: bool
-
-
-def make_requests(w: Workload) -> list[Request]:
-    """The workload's requests, in arrival order (deterministic for a seed)."""
-    rng = random.Random(w.seed)
-    out, t = [], 0.0
-    for i in range(w.requests):
-        t += rng.expovariate(w.rate)
-        long = rng.random() < w.long_frac
-        lo, hi = w.long_ms if long else w.short_ms
-        prefill = rng.uniform(lo, hi) / 1e3
-        out.append(Request(i, t, prefill, max(1, round(prefill * w.prefill_tps)), long))
-    return out
-
-
-@dataclasses.dataclass
-class Trace:
-    """What happened to one request: when each of its tokens was emitted, and its KV hand-off time."""
-
-    request: Request
-    token_times: list[float] = dataclasses.field(default_factory=list)
-    handoff_s: float = 0.0
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.request.arrival
-
-    @property
-    def gaps(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-
-@dataclasses.dataclass
-class _Server:
-    idx: int
-    role: str  # "both", "prefill" or "decode"
-    queue: collections.deque[Trace] = dataclasses.field(default_factory=collections.deque)
-    queued_s: float = 0.0
-    active: list[Trace] = dataclasses.field(default_factory=list)
-    busy_until: float | None = None
-    work: tuple[str, Any] = ("idle", None)
-    link_free: float = 0.0
-    inbound: int = 0
-
-
-def simulate(
-    workload: Workload, transfer: Transfer, *, colocated: int = 0, pools: tuple[int, int] | None = None
-) -> list[Trace]:
-    """Serve the workload on ``colocated`` colocated servers, or on ``pools = (prefill, decode)`` servers."""
-    if pools is None:
-        servers = [_Server(i, "both") for i in range(colocated)]
-    else:
-        servers = [_Server(i, "prefill") for i in range(pools[0])] + [
-            _Server(pools[0] + i, "decode") for i in range(pools[1])
-        ]
-    if not any(s.role != "decode" for s in servers) or not any(s.role != "prefill" for s in servers):
-        raise ValueError("need at least one server for prefill and one for decode")
-    w = workload
-    done_after = 1 + w.decode_steps
-    events: list[tuple[float, int, str, Any]] = []
-    seq = 0
-
-    def push(t: float, kind: str, data: Any) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, data))
-        seq += 1
-
-    def kick(s: _Server, now: float) -> None:
-        if s.busy_until is not None:
-            return
-        if s.role != "decode" and s.queue:
-            trace = s.queue.popleft()
-            s.queued_s -= trace.request.prefill_s
-            s.work, s.busy_until = ("prefill", trace), now + trace.request.prefill_s
-        elif s.role != "prefill" and s.active:
-            s.work, s.busy_until = ("decode", list(s.active)), now + w.decode_ms / 1e3
-        else:
-            return
-        push(s.busy_until, "done", s)
-
-    traces = [Trace(r) for r in make_requests(w)]
-    for trace in traces:
-        push(trace.request.arrival, "arrive", trace)
-    while events:
-        now, _, kind, data = heapq.heappop(events)
-        if kind == "arrive":
-            s = min(
-                (s for s in servers if s.role != "decode"),
-                key=lambda s: (s.queued_s + max(0.0, (s.busy_until or now) - now), len(s.active), s.idx),
-            )
-            s.queue.append(data)
-            s.queued_s += data.request.prefill_s
-            kick(s, now)
-        elif kind == "kv":  # a hand-off arrived: the first token reaches the client, decode begins
-            d, trace = data
-            d.inbound -= 1
-            trace.token_times.append(now)
-            d.active.append(trace)
-            kick(d, now)
-        else:
-            s = data
-            what, payload = s.work
-            s.busy_until, s.work = None, ("idle", None)
-            if what == "prefill" and s.role == "both":
-                payload.token_times.append(now)
-                s.active.append(payload)
-            elif what == "prefill":
-                d = min((d for d in servers if d.role == "decode"), key=lambda d: (len(d.active) + d.inbound, d.idx))
-                start = max(now, d.link_free)
-                d.link_free = start + transfer.seconds(payload.request.tokens * w.kv_bytes_per_token)
-                d.inbound += 1
-                payload.handoff_s = d.link_free - now
-                push(d.link_free, "kv", (d, payload))
-            else:
-                for trace in payload:
-                    trace.token_times.append(now)
-                s.active = [t for t in s.active if len(t.token_times) < done_after]
-            kick(s, now)
-    return traces
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile (``p`` in 0..100)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)] if ordered else math.nan
-
-
-@dataclasses.dataclass(frozen=True)
-class Slo:
-    """A request meets the SLO when its TTFT and every one of its inter-token gaps are within bounds."""
-
-    ttft_ms: float = 3000.0
-    itl_ms: float = 100.0
-
-
-def metrics(traces: Sequence[Trace], slo: Slo) -> dict[str, float]:
-    """ITL p50/p99, TTFT mean/p99, mean hand-off (ms), goodput (requests/s meeting the SLO) and its share."""
-    gaps = [g for t in traces for g in t.gaps]
-    ttfts = [t.ttft for t in traces]
-    good = sum(1 for t in traces if t.ttft * 1e3 <= slo.ttft_ms and max(t.gaps, default=0.0) * 1e3 <= slo.itl_ms)
-    span = max(t.token_times[-1] for t in traces) - min(t.request.arrival for t in traces)
-    return {
-        "itl_p50_ms": percentile(gaps, 50) * 1e3,
-        "itl_p99_ms": percentile(gaps, 99) * 1e3,
-        "ttft_mean_ms": sum(ttfts) / len(ttfts) * 1e3,
-        "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
-        "handoff_mean_ms": sum(t.handoff_s for t in traces) / len(traces) * 1e3,
-        "goodput_rps": good / span,
-        "slo_met": good / len(traces),
-    }
-
-
-def scenarios(
-    workload: Workload, transfer: Transfer, servers: int, pools: Sequence[tuple[int, int]], slo: Slo
-) -> list[tuple[str, dict[str, float]]]:
-    """Colocated on ``servers``, then each ``xP:yD`` with the transfer cost, then the first with free hand-offs."""
-    out = [(f"colocated x{servers}", metrics(simulate(workload, transfer, colocated=servers), slo))]
-    for p, d in pools:
-        out.append((f"{p}P:{d}D", metrics(simulate(workload, transfer, pools=(p, d)), slo)))
-    if pools:
-        p, d = pools[0]
-        free = Transfer(gbps=math.inf, latency_ms=0.0)
-        out.append((f"{p}P:{d}D free KV", metrics(simulate(workload, free, pools=(p, d)), slo)))
-    return out
-
-
-def gbps_from_bench(path: str, backend: str | None = None) -> tuple[float, str]:
-    """The GB/s of the largest measured ``load``/``transfer`` in a ``kvbridge bench --json`` file."""
-    with open(path) as f:
-        records = json.load(f)
-    picked = [
-        r for r in records
-        if r.get("op") in ("load", "transfer") and r.get("gbps") and (backend is None or r.get("backend") == backend)
-    ]  # fmt: skip
-    if not picked:
-        raise SystemExit(
-            f"kvbridge simulate: no measured load/transfer{f' of {backend!r}' if backend else ''} in {path}"
-        )
-    best = max(picked, key=lambda r: (r["bytes"], r["gbps"]))
-    return float(best["gbps"]), f"{best['backend']} {best['op']} of {best['bytes'] >> 20} MiB in {path}"
-
-
-def _range(text: str) -> tuple[float, float]:
-    lo, _, hi = text.partition("-")
-    return float(lo), float(hi or lo)
-
-
-def _pools(text: str) -> list[tuple[int, int]]:
-    out = []
-    for part in text.split(","):
-        p, _, d = part.strip().upper().replace("P", "").replace("D", "").partition(":")
-        out.append((int(p), int(d)))
-    return out
+PRESETS = {"default": Workload(), "toy-go": sim_toy.WORKLOAD}
+SEEDS = {"default": 10, "toy-go": 100}
+# flags of the engine model, meaningless for the toy (whose steps are the article's fixed 5 ms jobs)
+ENGINE_FLAGS = ("calibrate", "kv_tokens", "kv_full", "max_seqs", "step_ms", "seq_ms", "ctx_ms_per_ktok",
+                "prefill_ms_per_ktok", "chunk_tokens")  # fmt: skip
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    w, t, s = Workload(), Transfer(), Slo()
+    def one_line(message: str) -> None:  # a bad flag: one line on stderr, exit 2 (no usage block)
+        parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+
+    setattr(parser, "error", one_line)  # noqa: B010
+    d, m, s = Workload(), EngineModel(), Slo()
     add = parser.add_argument
-    add("--requests", type=int, default=w.requests, help=f"number of requests (default {w.requests})")
-    add("--rate", type=float, default=w.rate, help=f"Poisson arrivals per second (default {w.rate})")
-    add("--servers", type=int, default=2, help="servers of the colocated deployment (default 2)")
-    add("--pools", type=_pools, help="disaggregated pool sizes, e.g. 1:1,1:2 (default: every xP:yD with x+y = servers)")
-    add("--long-frac", type=float, default=w.long_frac, help=f"share of long prompts (default {w.long_frac})")
-    add("--short-ms", type=_range, default=w.short_ms, help="prefill time range of short prompts, ms (default 20-120)")
-    add("--long-ms", type=_range, default=w.long_ms, help="prefill time range of long prompts, ms (default 700-1800)")
-    add("--decode-steps", type=int, default=w.decode_steps, help=f"decode steps per request (default {w.decode_steps})")
-    add("--decode-ms", type=float, default=w.decode_ms, help=f"time of one decode step (default {w.decode_ms})")
     add(
-        "--prefill-tps",
-        type=float,
-        default=w.prefill_tps,
-        help="prefill tokens/s: prompt length = time x this (default 10000)",
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
+        help="toy-go: the published toy simulation, its table reproduced; default: the engine model",
     )
-    add(
-        "--shape",
-        choices=sorted(KV_BYTES_PER_TOKEN),
-        default="8b",
-        help="model whose KV bytes/token the hand-off moves (default 8b)",
+    add("--seeds", type=inp.positive_int, help="runs (seeds --seed, --seed+1, ...) per figure (default 10; toy-go 100)")
+    add("--seed", type=inp.count, default=0, help="first seed (default 0)")
+    g = parser.add_argument_group("workload (defaults: the preset's)")
+    g.add_argument("--requests", type=inp.positive_int, help=f"requests per run (default {d.requests})")
+    g.add_argument(
+        "--rate", type=inp.positive_float, help=f"arrivals per second (default {d.rate:g}; toy-go 1/0.426 s)"
     )
-    add("--transfer-gbps", type=float, default=t.gbps, help=f"KV hand-off bandwidth, GB/s (default {t.gbps})")
-    add("--transfer-latency-ms", type=float, default=t.latency_ms, help="fixed cost per hand-off (default 1)")
-    add("--transfer-ms", type=float, help="hand-off time per request, ms (overrides the bandwidth model)")
-    add("--from-bench", metavar="JSON", help="take --transfer-gbps from a kvbridge bench --json file")
-    add("--bench-backend", help="with --from-bench: the backend whose figure to use")
-    add("--slo-ttft-ms", type=float, default=s.ttft_ms, help=f"TTFT bound of the SLO (default {s.ttft_ms:g})")
-    add("--slo-itl-ms", type=float, default=s.itl_ms, help=f"inter-token bound of the SLO (default {s.itl_ms:g})")
-    add("--seed", type=int, default=w.seed, help="random seed (default 0)")
-    add("--json", action="store_true", help="print JSON instead of a table")
+    g.add_argument("--arrivals", choices=("poisson", "fixed"), help="Poisson, or a fixed spacing 1/rate (toy-go)")
+    g.add_argument("--long-frac", type=inp.fraction, help=f"share of long prompts (default {d.long_frac:g})")
+    g.add_argument("--short-tokens", type=inp.token_range, help="short prompt lengths, A-B tokens (default 300-900)")
+    g.add_argument("--long-tokens", type=inp.token_range, help="long prompt lengths, A-B tokens (default 7000-18000)")
+    g.add_argument(
+        "--output-tokens", type=inp.token_range, help="tokens generated, the first included (default 256; toy-go 21)"
+    )
+    g.add_argument(
+        "--shape", choices=sorted(KV_BYTES_PER_TOKEN), default="8b", help="model whose KV bytes/token are handed off"
+    )
+    g = parser.add_argument_group("layouts")
+    g.add_argument("--servers", type=inp.positive_int, default=2, help="engines of the colocated layouts (default 2)")
+    g.add_argument(
+        "--pools", type=inp.pools, help="disaggregated xP:yD, comma-separated (default 1:1 ... every x+y = servers)"
+    )
+    g.add_argument(
+        "--chunk-tokens",
+        type=inp.count,
+        help="token budget of a chunked-prefill step (default 2048; 0 leaves chunked out)",
+    )
+    g = parser.add_argument_group("engine model (defaults: 8B on an H100-class GPU)")
+    g.add_argument(
+        "--calibrate",
+        type=inp.calibration_file,
+        metavar="JSON",
+        help="fit the step costs to measured step times (see sim_inputs.calibration_file)",
+    )
+    g.add_argument("--step-ms", type=inp.non_negative_float, help=f"fixed cost of a step (default {m.step_ms:g})")
+    g.add_argument(
+        "--seq-ms", type=inp.non_negative_float, help=f"cost per sequence in the decode batch (default {m.seq_ms:g})"
+    )
+    g.add_argument(
+        "--ctx-ms-per-ktok",
+        type=inp.non_negative_float,
+        help=f"cost per 1000 context tokens the batch reads (default {m.ctx_ms_per_ktok:g})",
+    )
+    g.add_argument(
+        "--prefill-ms-per-ktok",
+        type=inp.positive_float,
+        help=f"prefill cost per 1000 prompt tokens (default {m.prefill_ms_per_ktok:g})",
+    )
+    g.add_argument(
+        "--kv-tokens", type=inp.positive_int, help=f"KV capacity of an engine, tokens (default {m.kv_tokens})"
+    )
+    g.add_argument(
+        "--kv-full",
+        choices=("preempt", "queue"),
+        help="when KV is full: preempt the newest and recompute it (default), or admit only what fits",
+    )
+    g.add_argument("--max-seqs", type=inp.positive_int, help=f"largest decode batch (default {m.max_seqs})")
+    g = parser.add_argument_group("KV hand-off")
+    g.add_argument(
+        "--from-bench",
+        type=inp.bench_file,
+        metavar="JSON",
+        help="fit fixed + per-byte cost per backend from kvbridge bench --json",
+    )
+    g.add_argument(
+        "--bench-backend",
+        type=inp.names,
+        help="with --from-bench: the backends to simulate (default: every one in the file)",
+    )
+    g.add_argument(
+        "--transfer-gbps", type=inp.bandwidth, help="link bandwidth without --from-bench, GB/s (default 25; inf: free)"
+    )
+    g.add_argument("--transfer-fixed-ms", type=inp.non_negative_float, help="fixed cost of a hand-off (default 1)")
+    g = parser.add_argument_group("SLO and output")
+    g.add_argument(
+        "--slo-ttft-ms", type=inp.positive_float, default=s.ttft_ms, help=f"TTFT target (default {s.ttft_ms:g})"
+    )
+    g.add_argument(
+        "--slo-tpot-ms", type=inp.positive_float, default=s.tpot_ms, help=f"TPOT target (default {s.tpot_ms:g})"
+    )
+    g.add_argument(
+        "--sweep-rate",
+        type=inp.sweep,
+        metavar="A:B:STEP",
+        help="also run every rate A..B: SLO attainment and goodput per layout",
+    )
+    g.add_argument("--json", type=inp.out_file, metavar="FILE", help="write the figures as JSON (- for stdout)")
+    g.add_argument(
+        "--plot",
+        type=inp.plot_file,
+        metavar="FILE",
+        help="write ITL CDF (+ TTFT and goodput vs rate with --sweep-rate)",
+    )
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    w = PRESETS[args.preset]
+    given = {k: getattr(args, k) for k in ("requests", "rate", "arrivals", "long_frac", "short_tokens", "long_tokens",
+                                          "output_tokens") if getattr(args, k, None) is not None}  # fmt: skip
+    return dataclasses.replace(w, **given, kv_bytes_per_token=KV_BYTES_PER_TOKEN[args.shape])
+
+
+def engine(args: argparse.Namespace) -> EngineModel:
+    m = EngineModel()
+    if args.calibrate is not None:
+        m = args.calibrate.apply(m)
+    given = {k: getattr(args, k) for k in ("step_ms", "seq_ms", "ctx_ms_per_ktok", "prefill_ms_per_ktok", "kv_tokens",
+                                          "kv_full", "max_seqs") if getattr(args, k) is not None}  # fmt: skip
+    return dataclasses.replace(m, **given)
+
+
+def handoffs(args: argparse.Namespace) -> list[HandOff]:
+    """The hand-off models to simulate: per backend of --from-bench, else the --transfer-* one."""
+    if args.from_bench is None:
+        if args.bench_backend:
+            raise ConfigError("--bench-backend needs --from-bench")
+        gbps = 25.0 if args.transfer_gbps is None else args.transfer_gbps
+        fixed = 1.0 if args.transfer_fixed_ms is None else args.transfer_fixed_ms
+        return [HandOff("nominal", fixed, gbps, f"{fixed:g} ms + {gbps:g} GB/s (--transfer-*)")]
+    fits = args.from_bench.handoffs
+    unknown = [b for b in args.bench_backend or () if b not in fits]
+    if unknown:
+        raise ConfigError(
+            f"--bench-backend {','.join(unknown)}: not in {args.from_bench.path} (it has {', '.join(fits)})"
+        )
+    return [fits[b] for b in args.bench_backend or fits]
+
+
+def layouts(args: argparse.Namespace) -> list[Layout]:
+    toy = args.preset == "toy-go"
+    out = [Layout("colocated", "colocated", servers=args.servers)]
+    chunk = 2048 if args.chunk_tokens is None else args.chunk_tokens
+    if not toy and chunk:
+        out.append(Layout("chunked", "chunked", servers=args.servers, chunk=chunk))
+    pools = args.pools or [(p, args.servers - p) for p in range(1, args.servers)] or [(1, 1)]
+    kv = handoffs(args)
+    explicit = args.from_bench is not None or args.transfer_gbps is not None or args.transfer_fixed_ms is not None
+    if toy:  # the article's hand-off is free; a measured one is an extra layout
+        kinds: list[HandOff | None] = [None, *(kv if explicit else [])]
+    else:
+        kinds = list(kv)
+    for p, d in pools:
+        for h in kinds:
+            name = "disaggregated" if len(pools) == 1 else f"disaggregated {p}P:{d}D"
+            if h is not None and (toy or len(kinds) > 1):
+                name += f" {h.name}"
+            out.append(Layout(name, "disaggregated", servers=p + d, pools=(p, d), handoff=h))
+    return out
+
+
+def run_once(preset: str, layout: Layout, w: Workload, model: EngineModel, seed: int) -> Result:
+    reqs = make_requests(w, seed)
+    if preset == "toy-go":
+        return sim_toy.simulate(layout, reqs, w.kv_bytes_per_token)
+    return simulate_engine(layout, reqs, model, w.kv_bytes_per_token)
+
+
+def run_seeds(
+    preset: str,
+    lays: Sequence[Layout],
+    w: Workload,
+    model: EngineModel,
+    seeds: Sequence[int],
+    slo: Slo,
+    keep_gaps: bool = False,
+) -> tuple[dict[str, dict[str, Any]], dict[str, np.ndarray]]:
+    """Per layout, the summary over ``seeds`` (and, with ``keep_gaps``, every gap of every run, ms)."""
+    out, pooled = {}, {}
+    for lay in lays:
+        runs, all_gaps = [], []
+        for seed in seeds:
+            r = run_once(preset, lay, w, model, seed)
+            runs.append(metrics(r, slo))
+            if keep_gaps:
+                all_gaps.append(gaps(r) * 1e3)
+        out[lay.name] = summarize(runs)
+        if keep_gaps:
+            pooled[lay.name] = np.concatenate(all_gaps)
+    return out, pooled
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every non-finite number as a string: strict JSON (``inf`` GB/s is a free link)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def describe(lay: Layout) -> dict[str, Any]:
+    d: dict[str, Any] = {"kind": lay.kind}
+    if lay.kind == "disaggregated":
+        d["pools"] = list(lay.pools)
+        d["handoff"] = dataclasses.asdict(lay.handoff) if lay.handoff else "free (the article's)"
+    else:
+        d["servers"] = lay.servers
+    if lay.kind == "chunked":
+        d["chunk_tokens"] = lay.chunk
+    return d
+
+
+def check(args: argparse.Namespace, w: Workload, model: EngineModel) -> None:
+    """Flags that parse one by one but not together: one line, exit 2 (kvbridge.cli), before any run."""
+    if args.preset == "toy-go":
+        bad = [f"--{k.replace('_', '-')}" for k in ENGINE_FLAGS if getattr(args, k) is not None]
+        if bad:
+            raise ConfigError(
+                f"{', '.join(bad)}: not for --preset toy-go (its steps are the article's fixed 5 ms jobs)"
+            )
+        return
+    need = max(w.short_tokens[1], w.long_tokens[1] if w.long_frac else 0) + w.output_tokens[1]
+    if need > model.kv_tokens:
+        raise ConfigError(f"a request can need {need} KV tokens, more than --kv-tokens {model.kv_tokens}")
+
+
+def _cell(summary: dict[str, Any], key: str, fmt: str, ci: bool) -> str:
+    v = format(summary[key], fmt)
+    if not ci or summary["seeds"] < 2:
+        return v
+    lo, hi = summary["ci95"][key]
+    return f"{v} [{format(lo, fmt)}-{format(hi, fmt)}]"
+
+
+def table(results: dict[str, dict[str, Any]], reference: dict[str, dict[str, float]] | None = None) -> str:
+    cols = [("TTFT mean", "ttft_mean_ms", ".0f", True), ("TTFT p99", "ttft_p99_ms", ".0f", False),
+            ("ITL mean", "itl_mean_ms", ".1f", True), ("ITL p99", "itl_p99_ms", ".1f", True),
+            ("ITL p99.9", "itl_p999_ms", ".0f", False), ("ITL max", "itl_max_ms", ".0f", False), ("TPOT p99", "tpot_p99_ms", ".1f", False),
+            ("hand-off", "handoff_mean_ms", ".1f", False), ("SLO met", "slo_attainment", ".0%", False)]  # fmt: skip
+    rows = [["layout", *(c[0] for c in cols)]]
+    for name, s in results.items():
+        rows.append([name, *(_cell(s, k, f, ci) for _, k, f, ci in cols)])
+        ref = (reference or {}).get(name)
+        if ref:
+            rows.append(["  the article", *(format(ref[k], f) if k in ref else "" for _, k, f, _ in cols)])
+            rows.append(["  error", *(f"{(s[k] / ref[k] - 1) * 100:+.1f}%" if k in ref else "" for _, k, _, _ in cols)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(r, widths)))
+                     for r in rows)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    source = "--transfer-gbps"
-    gbps = args.transfer_gbps
-    if args.from_bench:
-        gbps, source = gbps_from_bench(args.from_bench, args.bench_backend)
-    workload = Workload(
-        args.requests, args.rate, args.long_frac, args.short_ms, args.long_ms, args.decode_steps, args.decode_ms,
-        args.prefill_tps, KV_BYTES_PER_TOKEN[args.shape], args.seed,
-    )  # fmt: skip
-    transfer = Transfer(gbps, args.transfer_latency_ms, args.transfer_ms)
-    pools = args.pools or [(p, args.servers - p) for p in range(1, args.servers)]
-    slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
-    results = scenarios(workload, transfer, args.servers, pools, slo)
-    if args.json:
-        print(json.dumps([{"config": name, **m} for name, m in results], indent=1))
-        return 0
-    cost = (
-        f"{args.transfer_ms:g} ms per request"
-        if args.transfer_ms is not None
-        else f"{gbps:.2f} GB/s ({source}) + {transfer.latency_ms:g} ms"
-    )
-    print(
-        f"{workload.requests} requests at {workload.rate:g}/s (seed {workload.seed}); {workload.long_frac:.0%} long prompts "
-        f"({workload.long_ms[0]:g}-{workload.long_ms[1]:g} ms prefill), short {workload.short_ms[0]:g}-{workload.short_ms[1]:g} ms; "
-        f"{workload.decode_steps} decode steps of {workload.decode_ms:g} ms\n"
-        f"KV {args.shape} = {workload.kv_bytes_per_token >> 10} KiB/token at {workload.prefill_tps:g} prefill tok/s; "
-        f"hand-off {cost}; SLO TTFT <= {slo.ttft_ms:g} ms and every ITL <= {slo.itl_ms:g} ms\n"
-    )
-    head = ("config", "ITL p50", "ITL p99", "TTFT mean", "TTFT p99", "hand-off", "goodput", "SLO met")
-    rows = [
-        (name, f"{m['itl_p50_ms']:.1f}", f"{m['itl_p99_ms']:.1f}", f"{m['ttft_mean_ms']:.0f}", f"{m['ttft_p99_ms']:.0f}",
-         f"{m['handoff_mean_ms']:.1f}", f"{m['goodput_rps']:.2f}/s", f"{m['slo_met']:.0%}")
-        for name, m in results
-    ]  # fmt: skip
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths))) + "   (ms)")
-    for r in rows:
-        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    w, model = workload(args), engine(args)
+    check(args, w, model)
+    lays = layouts(args)
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    n = args.seeds or SEEDS[args.preset]
+    seeds = range(args.seed, args.seed + n)
+    toy = args.preset == "toy-go"
+    results, pooled = run_seeds(args.preset, lays, w, model, seeds, slo, keep_gaps=bool(args.plot))
+    sweep: dict[str, Any] | None = None
+    if args.sweep_rate:
+        per: dict[str, dict[str, list[float]]] = {lay.name: {} for lay in lays}
+        for rate in args.sweep_rate:
+            print(f"  sweep: {rate:g} req/s", file=sys.stderr, flush=True)
+            at, _ = run_seeds(args.preset, lays, dataclasses.replace(w, rate=rate), model, seeds, slo)
+            for name, s in at.items():
+                for k in ("slo_attainment", "ttft_mean_ms", "ttft_p99_ms", "itl_p99_ms", "itl_max_ms", "tpot_p99_ms"):
+                    per[name].setdefault(k, []).append(s[k])
+        sweep = {"rates": args.sweep_rate, "layouts": per,
+                 "goodput_rps": {name: goodput(args.sweep_rate, s["slo_attainment"], slo) for name, s in per.items()}}  # fmt: skip
+    arrivals = f"fixed spacing {1e3 / w.rate:.0f} ms" if w.arrivals == "fixed" else f"Poisson {w.rate:g}/s"
+    out_tok = f"{w.output_tokens[0]}" + (f"-{w.output_tokens[1]}" if w.output_tokens[1] != w.output_tokens[0] else "")
+    head = (f"kvbridge simulate --preset {args.preset}: {w.requests} requests, {arrivals}, {w.long_frac:.0%} long prompts "
+            f"({w.long_tokens[0]}-{w.long_tokens[1]} tokens), short {w.short_tokens[0]}-{w.short_tokens[1]}, "
+            f"{out_tok} output tokens; medians [95% CI] over {n} seeds ({seeds[0]}-{seeds[-1]})")  # fmt: skip
+    if toy:
+        engine_line = "engine: the article's: every prefill (0.1 ms/token) and every 5 ms decode step its own job, FCFS"
+    else:
+        engine_line = (f"engine ({model.source}): step {model.step_ms:g} ms + {model.seq_ms:g} ms/seq + "
+                       f"{model.ctx_ms_per_ktok:g} ms/1k context tokens; prefill {model.prefill_ms_per_ktok:g} ms/1k "
+                       f"tokens; KV {model.kv_tokens} tokens ({model.kv_full} when full), <= {model.max_seqs} seqs")  # fmt: skip
+    kvs = {lay.handoff.name: lay.handoff.source for lay in lays if lay.handoff}
+    out = sys.stderr if args.json == "-" else sys.stdout  # the table, unless stdout is the JSON's
+    print(head, file=out)
+    print(engine_line, file=out)
+    for name, src in kvs.items():
+        print(f"hand-off {name}: {src}; each decode engine's link shared by the transfers in flight", file=out)
+    print(f"SLO: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms\n", file=out)
+    print(table(results, sim_toy.REFERENCE if toy else None), file=out)
+    if sweep:
+        print(f"\nSLO attainment (median over seeds) by request rate; goodput = the highest rate up to which "
+              f">= {slo.attainment:.0%} of requests meet the SLO", file=out)  # fmt: skip
+        names = list(sweep["layouts"])
+        rows = [["req/s", *names]] + [[f"{r:g}", *(f"{sweep['layouts'][nm]['slo_attainment'][i]:.0%}" for nm in names)]
+                                      for i, r in enumerate(sweep["rates"])]  # fmt: skip
+        rows.append(["goodput", *(f"{sweep['goodput_rps'][nm]:g}/s" for nm in names)])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        print("\n".join("  ".join(c.rjust(wd) for c, wd in zip(r, widths)) for r in rows), file=out)
+    doc = {
+        "preset": args.preset,
+        "seeds": n,
+        "first_seed": args.seed,
+        "workload": dataclasses.asdict(w),
+        "engine": "toy-go" if toy else dataclasses.asdict(model),
+        "slo": dataclasses.asdict(slo),
+        "layouts": {lay.name: {**describe(lay), **results[lay.name]} for lay in lays},
+    }
+    if toy:
+        doc["reference"] = sim_toy.REFERENCE
+        doc["error_pct"] = {k: {f: (results[k][f] / ref - 1) * 100 for f, ref in refs.items()}
+                            for k, refs in sim_toy.REFERENCE.items() if k in results}  # fmt: skip
+    if sweep:
+        doc["sweep"] = sweep
+    doc = _plain(doc)
+    if args.json == "-":
+        print(json.dumps(doc, indent=1, allow_nan=False))
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, allow_nan=False)
+        print(f"\nwrote {args.json}", file=out)
+    if args.plot:
+        from kvbridge.bench.sim_plot import plot
+
+        kv = ", ".join(
+            f"{h.name} {h.fixed_ms:.3g} ms + {h.gbps:.3g} GB/s"
+            for h in dict.fromkeys(lay.handoff for lay in lays if lay.handoff)
+        )
+        title = head.split(";")[0] + (f"; hand-off {kv}" if kv else "")
+        plot(args.plot, title, pooled, sweep, slo, arrivals)
+        print(f"wrote {args.plot}", file=out)
     return 0
 
 
-__all__ = [
-    "Request",
-    "Slo",
-    "Trace",
-    "Transfer",
-    "Workload",
-    "make_requests",
-    "metrics",
-    "percentile",
-    "scenarios",
-    "simulate",
-]
+__all__ = ["configure", "handoffs", "layouts", "run", "run_once", "run_seeds", "workload"]
