@@ -94,8 +94,32 @@ def test_bench_ops_picks_the_cases(tmp_path, capsys):
     records = json.loads(path.read_text())
     assert records and {r["op"] for r in records} == {"save_stall"}
     assert "forward-pass stall per step caused by saves" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="unknown op"):
-        main([*args, "--ops", "stall"])
+    capsys.readouterr()
+    assert main([*args, "--ops", "stall"]) == 2
+    assert "unknown op" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--backends", "nosuch"], "unknown backend(s) ['nosuch']"),
+        (["--plot", "/nonexistent-folder/x.png"], "does not exist"),
+        (["--json", "/nonexistent-folder/x.json"], "does not exist"),
+        (["--tokens", "0"], "positive"),
+        (["--tokens", "many"], "integers"),
+        (["--reps", "-1"], "positive"),
+        (["--shapes", "9b"], "unknown shape"),
+    ],
+)
+def test_bench_bad_input_is_one_line_and_exit_2_before_measuring(argv, message, capsys):
+    """Checked at start-up: nothing is measured first (a typo must not cost a whole run)."""
+    try:
+        rc = main(["bench", "--no-recompute", *argv])
+    except SystemExit as exc:  # argparse's own errors
+        rc = exc.code
+    assert rc == 2
+    out = capsys.readouterr()
+    assert message in out.err and "Traceback" not in out.err and "GB/s" not in out.out
 
 
 def test_simulate_reads_bench_json(bench_json, tmp_path, capsys):

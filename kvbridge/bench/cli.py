@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 
 from kvbridge.bench.cases import OPS, Measurer, Progress, bench_names, count_cases
 from kvbridge.bench.core import SHAPES, Point, Record
 from kvbridge.bench.recompute import compare, measure_prefill
 from kvbridge.bench.report import ProgressBar, plot, recompute_table, stall_table, table
+from kvbridge.errors import ConfigError
 
 _8B, _70B = SHAPES["8b"], SHAPES["70b"]
 DEFAULT_MATRIX = (
@@ -31,7 +33,33 @@ QUICK_MATRIX = (Point(_8B, 64), Point(_8B, 256), Point(_8B, 64, requests=4))
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _output(text: str) -> str:
+    """A file to write at the end of the run: its folder must exist now (not after minutes of measuring)."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"folder {folder} is not writable")
+    return text
 
 
 def _names(text: str) -> list[str]:
@@ -46,13 +74,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ids", type=_names, help="block id pattern: contiguous, scattered (comma-separated)")
     parser.add_argument("--requests", type=_ints, help="concurrent requests per step, comma-separated")
     parser.add_argument("--ops", type=_names, help=f"comma-separated of {list(OPS)} (default: all)")
-    parser.add_argument("--reps", type=int, help="timed repetitions per case (default 3; --quick 2)")
+    parser.add_argument("--reps", type=_positive_int, help="timed repetitions per case (default 3; --quick 2)")
     parser.add_argument("--quick", action="store_true", help="a small matrix in seconds")
     parser.add_argument("--prefill-tps", type=float, default=10_000.0,
                         help="prefill throughput (tokens/s) of the real model, for transfer vs recompute (default 10000)")  # fmt: skip
     parser.add_argument("--no-recompute", action="store_true", help="skip the transfer vs recompute section")
-    parser.add_argument("--json", metavar="PATH", help="write every record as a JSON list")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s vs transfer size (needs matplotlib)")
+    parser.add_argument("--json", metavar="PATH", type=_output, help="write every record as a JSON list")
+    parser.add_argument("--plot", metavar="PATH", type=_output, help="write a PNG of GB/s vs transfer size (needs matplotlib)")
 
 
 def matrix(args: argparse.Namespace) -> list[Point]:
@@ -62,10 +90,10 @@ def matrix(args: argparse.Namespace) -> list[Point]:
         return list(QUICK_MATRIX if args.quick else DEFAULT_MATRIX)
     unknown = [s for s in args.shapes or () if s not in SHAPES]
     if unknown:
-        raise SystemExit(f"kvbridge bench: unknown shape(s) {unknown}; known: {sorted(SHAPES)}")
+        raise ConfigError(f"unknown shape(s) {unknown}; known: {sorted(SHAPES)}")
     bad_ids = [i for i in args.ids or () if i not in ("contiguous", "scattered")]
     if bad_ids:
-        raise SystemExit(f"kvbridge bench: --ids takes contiguous, scattered; got {bad_ids}")
+        raise ConfigError(f"--ids takes contiguous, scattered; got {bad_ids}")
     return [
         Point(SHAPES[s], t, b, i, r)
         for s, t, b, i, r in itertools.product(
@@ -78,12 +106,15 @@ def matrix(args: argparse.Namespace) -> list[Point]:
 def measure(args: argparse.Namespace) -> list[Record]:
     """Every record of the run: each backend's cases, then transfer vs recompute."""
     names = args.backends or bench_names()
+    unknown_names = [n for n in names if n not in bench_names()]
+    if unknown_names:
+        raise ConfigError(f"unknown backend(s) {unknown_names}; known: {bench_names()}")
     points = matrix(args)
     reps = args.reps or (2 if args.quick else 3)
     ops = args.ops or list(OPS)
     unknown = [op for op in ops if op not in OPS]
     if unknown:
-        raise SystemExit(f"kvbridge bench: unknown op(s) {unknown}; known: {list(OPS)}")
+        raise ConfigError(f"unknown op(s) {unknown}; known: {list(OPS)}")
     bar = ProgressBar()
     progress = Progress(count_cases(names, points, ops) + (0 if args.no_recompute else 1), bar)
     measurer = Measurer(reps, progress, ops)
