@@ -24,6 +24,10 @@ Semantics:
 - The worker tags every slot with the key it holds, set only once the copy is complete: a load
   whose slot does not carry the expected key (a failed or skipped write) is a failed block, so
   the pool never hands out bytes that are not the key's.
+- ``layerwise=True`` loads *synchronously*, inside the step that computes the rest of the prompt: the
+  slots' tags are checked first, then the IO thread copies layer after layer and the forward pass's
+  ``wait_layer(i)`` waits only for layer ``i`` (vLLM: ``Lookup(is_async=False)``, no extra engine step
+  for the request to wait in). Default off: the load runs a step ahead, asynchronously.
 - Moves are vectorized: one ``index_select``/``index_copy_`` per layer (or one slice copy when the
   slots are consecutive), never a Python loop over blocks. Loads and saves run on the worker's IO
   thread, in plan order.
@@ -34,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -55,6 +59,7 @@ class CpuOptions:
     capacity_bytes: int
     block_bytes: int = 0
     eviction: Literal["lru", "fifo"] = "lru"
+    layerwise: bool = False  # load inside the step, layer by layer, while the forward pass runs (see the module)
 
     def __post_init__(self) -> None:
         require(self.capacity_bytes > 0, f"cpu: capacity_bytes must be positive, got {self.capacity_bytes}")
@@ -88,6 +93,7 @@ class CpuIndex(StoreIndex):
     def __init__(self, engine: EngineInfo, options: CpuOptions):
         super().__init__(engine)
         self.stats: CpuStats = CpuStats()
+        self.layerwise = options.layerwise
         slot_bytes = _declared_slot_bytes(engine, options)
         if not slot_bytes:
             raise ConfigError(
@@ -193,6 +199,7 @@ class CpuPool(StoreIO):
         super().__init__(engine)
         self.stats: CpuStats = CpuStats()
         self.options = options
+        self.layerwise = options.layerwise
         self.pool: torch.Tensor | None = None
         self._tags: list[bytes | None] = []
         self._stream: Any = None  # the loads' own CUDA stream
@@ -227,12 +234,39 @@ class CpuPool(StoreIO):
             raise KVBridgeError("cpu: the pool is allocated when the worker registers its KV cache")
         return self.pool
 
-    def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
-        pool = self._pool()
+    def _valid(self, op: BlockLoad) -> tuple[list[int], int]:
+        """The op's slots, and how many leading ones hold their key (a prefix: the rest are failed)."""
         slots = _slots(op.source, len(op.block_ids))
-        n = 0  # a prefix: stop at the first slot that does not hold its key
+        n = 0
         while n < len(slots) and slots[n] >= 0 and self._tags[slots[n]] == op.keys[n]:
             n += 1
+        return slots, n
+
+    def load_layers(self, op: BlockLoad, layout: KVLayout) -> tuple[int, Callable[[int], None]]:
+        """A layerwise load: how many leading blocks are valid (checked now, before any byte moves: their
+        slots are pinned until the load is released) and a copy of one layer of them."""
+        pool = self._pool()
+        slots, n = self._valid(op)
+        ids, runs = layout.check_ids(op.block_ids[:n]), coalesce(op.block_ids[:n])
+        slot_runs, at = coalesce(slots[:n]), torch.as_tensor(slots[:n])
+
+        def copy(layer: int) -> None:
+            if not n:
+                return
+            if len(slot_runs) == 1:
+                src = pool[layer, slot_runs[0][0] : slot_runs[0][0] + n]
+            else:
+                src = pool[layer].index_select(0, at)
+            if layout.device.type != "cpu":
+                src = src.to(layout.device, non_blocking=pool.is_pinned())
+            layout.scatter_layer(layer, ids, src, runs)
+            _sync(layout)
+
+        return n, copy
+
+    def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
+        pool = self._pool()
+        slots, n = self._valid(op)
         if n and self._stream is not None:
             # a side stream lets the load overlap the forward pass; it first waits for work still
             # queued on these blocks (their previous owner's kernels)

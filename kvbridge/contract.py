@@ -109,12 +109,17 @@ class ScheduledRequest:
 
 @dataclasses.dataclass(frozen=True)
 class BlockLoad:
-    """Load ``keys`` (or the backend's ``source``) into the local blocks ``block_ids``, in order."""
+    """Load ``keys`` (or the backend's ``source``) into the local blocks ``block_ids``, in order.
+
+    A ``layerwise`` load is synchronous: it runs during the step that computes the rest of the prompt,
+    ``wait_layer(i)`` returning once layer ``i`` is in place; the engine waits for no ``finished_loading``
+    report of it (the worker still makes one, and reports its failed blocks as any load's)."""
 
     request_id: str
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...] = ()
     source: Any = None  # the backend's own payload: a frozen dataclass of plain values (or None)
+    layerwise: bool = False  # synchronous (Lookup(is_async=False)): done inside this step, layer by layer
 
 
 @dataclasses.dataclass(frozen=True)

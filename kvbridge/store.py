@@ -22,8 +22,10 @@ import abc
 import dataclasses
 import functools
 import logging
+import threading
 import time
-from collections.abc import Sequence
+import typing
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -53,10 +55,12 @@ log = logging.getLogger(__name__)
 class StoreIndex(abc.ABC):
     """Scheduler side of a store: which keys it holds, and the reservations a load or save needs.
 
-    Keys are bytes (:mod:`kvbridge.keys`). One instance per engine's scheduler.
+    Keys are bytes (:mod:`kvbridge.keys`). One instance per engine's scheduler. ``layerwise``: its
+    loads are synchronous and layer by layer (its IO is a :class:`LayerwiseIO`).
     """
 
     stats: TransferStats
+    layerwise: bool = False
 
     def __init__(self, engine: EngineInfo):
         self.engine = engine
@@ -118,6 +122,16 @@ class StoreIO(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release files, memory, connections."""
+
+
+@typing.runtime_checkable
+class LayerwiseIO(typing.Protocol):
+    """A :class:`StoreIO` that can load layer by layer, inside the step (``BlockLoad.layerwise``)."""
+
+    def load_layers(self, op: BlockLoad, layout: KVLayout) -> tuple[int, Callable[[int], None]]:
+        """Check ``op`` now: how many leading blocks are valid (the rest fail), and a function copying
+        layer ``i`` of them into the KV (called for every layer, in order, on the IO thread)."""
+        ...
 
 
 class StoreBackend(Backend):
@@ -185,7 +199,7 @@ class StoreScheduler(SchedulerSide):
             tracked.saved_upto = max(tracked.saved_upto, hit)
             self.index.stats.add(hits=hit, misses=len(request.block_keys) - hit)
         loadable = min(tracked.hit_blocks * bs, request.num_prompt_tokens - 1)
-        return Lookup(max(0, loadable - num_computed_tokens), is_async=True)
+        return Lookup(max(0, loadable - num_computed_tokens), is_async=not self.index.layerwise)
 
     def on_allocated(self, request: RequestInfo, block_ids: Sequence[int], num_external_tokens: int) -> None:
         self._check_open()
@@ -197,7 +211,8 @@ class StoreScheduler(SchedulerSide):
         last = -(-(tracked.num_computed + num_external_tokens) // bs)  # ceil
         keys = request.block_keys[first:last]
         source = self.index.reserve_load(request.request_id, keys)
-        self.loads.plan(BlockLoad(request.request_id, tuple(block_ids[first:last]), tuple(keys), source))
+        self.loads.plan(BlockLoad(request.request_id, tuple(block_ids[first:last]), tuple(keys), source,
+                                  layerwise=self.index.layerwise))
 
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         self._check_open()
@@ -276,6 +291,9 @@ class StoreWorker(WorkerSide):
         self.engine = engine
         self.stats: TransferStats = io.stats
         self.transfers = Transfers(f"{engine.engine_id}-io")
+        # layerwise loads get their own thread: behind a save on the IO thread, the forward pass would wait
+        self.layer_transfers = Transfers(f"{engine.engine_id}-layers") if isinstance(io, LayerwiseIO) else None
+        self._layers: list[list[threading.Event]] = []  # per layerwise load of this step: a flag per layer
         self._saves: tuple[BlockSave, ...] = ()
 
     def register(self, layout: KVLayout) -> None:
@@ -287,9 +305,47 @@ class StoreWorker(WorkerSide):
         if plan.flush:  # preempted requests: their blocks may be overwritten by this step's forward pass
             self.transfers.wait(plan.flush)
         self._saves = plan.saves
+        self._layers = []
         for op in plan.loads:
-            self.transfers.load(op, functools.partial(self._load, op, layout))
+            if op.layerwise and self.layer_transfers is not None:
+                self._start_layerwise(op, layout, self.layer_transfers)
+            else:
+                self.transfers.load(op, functools.partial(self._load, op, layout))
         self.transfers.hold(plan.held)
+
+    def _start_layerwise(self, op: BlockLoad, layout: KVLayout, transfers: Transfers) -> None:
+        """Check the load now, copy it layer by layer on its own thread; ``wait_layer(i)`` waits for layer i."""
+        assert isinstance(self.io, LayerwiseIO)
+        flags = [threading.Event() for _ in range(layout.num_layers)]
+        self._layers.append(flags)
+        t0 = time.perf_counter()
+        try:
+            valid, copy = self.io.load_layers(op, layout)
+        except Exception as exc:  # nothing moves: every block is failed, the engine recomputes them
+            log.warning("layerwise load of %s failed: %s", op.request_id, exc)
+            valid, copy = 0, None
+
+        def run() -> set[int]:
+            try:
+                for layer, flag in enumerate(flags):
+                    if copy is not None:
+                        copy(layer)
+                    flag.set()
+            except Exception as exc:  # layers already copied are recomputed over with the rest
+                log.warning("layerwise load of %s failed: %s", op.request_id, exc)
+                return set(op.block_ids)
+            finally:
+                for flag in flags:  # never leave the forward pass waiting
+                    flag.set()
+            self._count_load(op, layout, len(op.block_ids) - valid, t0)
+            return set(op.block_ids[valid:])
+
+        transfers.load(op, run)
+
+    def wait_layer(self, layer: int) -> None:
+        self._check_open()
+        for flags in self._layers:
+            flags[layer].wait()
 
     def _load(self, op: BlockLoad, layout: KVLayout) -> set[int]:
         t0 = time.perf_counter()
@@ -298,19 +354,23 @@ class StoreWorker(WorkerSide):
         except Exception as exc:  # every block of the op is lost; the engine recomputes them
             log.warning("load of %s failed: %s", op.request_id, exc)
             failed = set(op.block_ids)
-        ok = len(op.block_ids) - len(failed)
+        self._count_load(op, layout, len(failed), t0)
+        return failed
+
+    def _count_load(self, op: BlockLoad, layout: KVLayout, failed: int, t0: float) -> None:
+        ok = len(op.block_ids) - failed
         self.stats.add(
             loads=1,
             load_blocks=ok,
             load_bytes=ok * layout.num_layers * layout.block_bytes,
             load_seconds=time.perf_counter() - t0,
             load_failures=int(bool(failed)),
-            failed_blocks=len(failed),
+            failed_blocks=failed,
         )
-        return failed
 
     def finish_step(self) -> None:
         layout = self._require_layout()
+        self._layers = []  # every layer was waited for by now (an engine that skipped some wants none)
         saves, self._saves = self._saves, ()
         if not saves:
             return
@@ -335,14 +395,20 @@ class StoreWorker(WorkerSide):
 
     def poll(self) -> WorkerReport:
         self._check_open()
-        return self.transfers.poll()
+        report = self.transfers.poll()
+        if self.layer_transfers is not None:
+            report = WorkerReport.merge([report, self.layer_transfers.poll()])
+        return report
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         self._check_open()
-        return self.transfers.wait(timeout=timeout)
+        idle = self.layer_transfers is None or self.layer_transfers.wait(timeout=timeout)
+        return self.transfers.wait(timeout=timeout) and idle
 
     def close(self) -> None:
         if not self._closed:
+            if self.layer_transfers is not None:
+                self.layer_transfers.close()
             self.transfers.close()
             self.io.close()
         super().close()
@@ -358,4 +424,4 @@ def _forward_done(layout: KVLayout) -> Any:
     return event
 
 
-__all__ = ["StoreBackend", "StoreIO", "StoreIndex", "StoreScheduler", "StoreWorker"]
+__all__ = ["LayerwiseIO", "StoreBackend", "StoreIO", "StoreIndex", "StoreScheduler", "StoreWorker"]

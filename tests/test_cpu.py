@@ -257,3 +257,65 @@ def test_blocks_recomputed_after_a_failed_load_are_saved_again(tmp_path):
         assert torch.equal(again.snapshot[:, :4], sent.snapshot[:, :4])
     finally:
         e.close()
+
+
+# ---- layerwise (synchronous) loads ------------------------------------------------------------------
+
+def _layerwise_engine(num_layers: int = 6) -> MiniEngine:
+    return MiniEngine(CpuBackend(CpuOptions(capacity_bytes=16 << 20, layerwise=True)), num_layers=num_layers)
+
+
+def test_layerwise_round_trip_is_bit_exact_and_synchronous():
+    e = _layerwise_engine()
+    try:
+        tokens = list(range(5 * 16 + 3))
+        sent = e.prefill("a", tokens)
+        req = e.request("probe", tokens)
+        assert e.scheduler.lookup(req, 0).is_async is False, "a layerwise tier loads inside the step"
+        got = e.prefill("b", tokens)
+        assert got.loaded_tokens == 5 * 16 and not got.failed_blocks
+        assert torch.equal(got.snapshot[:, :5], sent.snapshot[:, :5])
+    finally:
+        e.close()
+
+
+def test_layerwise_wait_layer_returns_once_that_layer_is_in_place():
+    """The forward pass of the loading step: layer i is read right after wait_layer(i), never before."""
+    e = _layerwise_engine()
+    try:
+        tokens = list(range(4 * 16 + 1))
+        sent = e.prefill("a", tokens)
+        req, ids, n_ext = e.admit("b", tokens)
+        assert n_ext == 64
+        plan = e.scheduler.plan_step([])
+        (op,) = plan.loads
+        assert op.layerwise and op.block_ids == tuple(ids[:4])
+        e.worker.start_step(plan)
+        for layer in range(e.layout.num_layers):
+            e.worker.wait_layer(layer)
+            got = e.read(ids[:4])[layer]  # what this layer's attention would read now
+            assert torch.equal(got, sent.snapshot[layer, :4]), f"layer {layer} not in place after wait_layer"
+        e.worker.finish_step()
+        assert e.worker.wait_idle(10)
+        report = e.worker.poll()
+        assert report.finished_loading == {"b"} and not report.failed_blocks
+        e.scheduler.on_report(report)
+        e.finish(req, ids)
+    finally:
+        e.close()
+
+
+def test_a_layerwise_load_of_a_slot_that_lost_its_key_fails_from_there():
+    e = _layerwise_engine()
+    try:
+        tokens = list(range(4 * 16 + 1))
+        sent = e.prefill("a", tokens)
+        pool = e.worker.io  # type: ignore[attr-defined]
+        slot = pool._tags.index(sent.keys[2])
+        pool._tags[slot] = None  # as an interrupted write leaves it (a fault that cannot be made real here)
+        got = e.prefill("b", tokens)
+        assert got.loaded_blocks == got.block_ids[:2] and got.block_ids[2] in got.failed_blocks
+        assert torch.equal(got.snapshot[:, :4], e.expected(got.keys[:4]))
+        assert got.reoffered == 0
+    finally:
+        e.close()

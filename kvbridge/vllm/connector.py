@@ -404,6 +404,7 @@ class WorkerAdapter:
         self._failed: set[int] = set()
         self._muted: set[str] = set()
         self._idle = False  # this step computes nothing (KVBridgeMetadata.idle)
+        self._sync_loads: set[str] = set()  # layerwise (synchronous) loads whose report vLLM must not see
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         self.layout = KVLayout.from_tensors(kv_caches, block_size=self.engine.block_size)
@@ -423,6 +424,9 @@ class WorkerAdapter:
         self._idle = isinstance(meta, KVBridgeMetadata) and meta.idle
         if isinstance(meta, KVBridgeMetadata):
             self._muted.update(meta.muted)
+            # vLLM waits for no report of a synchronous load, and takes one for a request that is not
+            # waiting as "it finished: free its blocks": such loads are never passed on as finished
+            self._sync_loads.update(op.request_id for op in meta.plan.loads if op.layerwise)
             self.side.start_step(meta.plan)
         else:
             self.side.start_step(EMPTY_PLAN)
@@ -457,7 +461,9 @@ class WorkerAdapter:
         self._failed |= report.failed_blocks
         saved = set(report.finished_saving) - self._muted
         self._muted -= report.finished_saving
-        return saved or None, set(report.finished_loading) or None
+        loaded = set(report.finished_loading) - self._sync_loads
+        self._sync_loads -= report.finished_loading
+        return saved or None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
