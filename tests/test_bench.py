@@ -129,3 +129,36 @@ def test_simulate_reads_bench_json(bench_json, tmp_path, capsys):
     assert str(path) in capsys.readouterr().out  # the hand-off figure came from the file
 
 
+
+
+def test_third_party_output_goes_to_a_log_not_across_the_table(tmp_path, capfd, monkeypatch):
+    """What the measured systems print (LMCache's logger, UCX's C-level errors) lands in --log; the run
+    ends with one line saying how much and where."""
+    import logging
+    import os
+
+    from kvbridge.bench import cases
+
+    real = cases.Measurer.measure
+
+    def noisy(self, name, points):
+        os.write(2, b"[1796172570.22] UCX  ERROR req 0x7f: error during flush: Connection reset by remote peer\n")
+        logging.getLogger("lmcache.fake").warning("Failed to allocate memory block")
+        return real(self, name, points)
+
+    monkeypatch.setattr(cases.Measurer, "measure", noisy)
+    fd2 = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - stderr itself, as a process sees it (pytest swaps sys.stderr)
+    handler = logging.StreamHandler(fd2)  # LMCache's own handlers write to stderr
+    logging.getLogger("lmcache.fake").addHandler(handler)
+    log = tmp_path / "bench.log"
+    try:
+        assert main(["bench", "--backends", "memory", "--tokens", "32", "--reps", "1", "--no-recompute",
+                     "--ops", "load", "--log", str(log)]) == 0
+    finally:
+        logging.getLogger("lmcache.fake").removeHandler(handler)
+    out = capfd.readouterr()
+    assert "UCX  ERROR" not in out.err and "Failed to allocate" not in out.err
+    text = log.read_text()
+    assert "UCX  ERROR" in text and "Failed to allocate memory block" in text
+    assert f"lines of the measured systems' own output (warnings, UCX errors) are in {log}" in out.err
+    assert "GB/s" in out.out

@@ -8,10 +8,14 @@ cartesian product of the values given (defaults for the others).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
+from typing import TextIO
 
 from kvbridge.bench.cases import OPS, Measurer, Progress, bench_names, count_cases
 from kvbridge.bench.core import SHAPES, Point, Record
@@ -81,6 +85,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-recompute", action="store_true", help="skip the transfer vs recompute section")
     parser.add_argument("--json", metavar="PATH", type=_output, help="write every record as a JSON list")
     parser.add_argument("--plot", metavar="PATH", type=_output, help="write a PNG of GB/s vs transfer size (needs matplotlib)")
+    parser.add_argument("--log", metavar="PATH", type=_output, default=None,
+                        help="where the measured systems' own output goes (LMCache's log lines, UCX's errors, child "
+                             "processes'); default a kvbridge-bench-*.log in the temp directory")
 
 
 def matrix(args: argparse.Namespace) -> list[Point]:
@@ -115,20 +122,58 @@ def measure(args: argparse.Namespace) -> list[Record]:
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         raise ConfigError(f"unknown op(s) {unknown}; known: {list(OPS)}")
-    bar = ProgressBar()
-    progress = Progress(count_cases(names, points, ops) + (0 if args.no_recompute else 1), bar)
-    measurer = Measurer(reps, progress, ops)
+    log_path = getattr(args, "log", None) or os.path.join(tempfile.gettempdir(), f"kvbridge-bench-{os.getpid()}.log")
     records: list[Record] = []
-    try:
-        for name in names:
-            records += measurer.measure(name, points)
-        if not args.no_recompute:
-            progress.step("transfer vs recompute: tiny-llama prefill")
-            tiny = measure_prefill(256 if args.quick else 512, reps)
-            records += compare(records, args.prefill_tps, tiny, reps)
-    finally:
-        bar.close()
+    with third_party_output(log_path) as ours:
+        bar = ProgressBar(ours)
+        progress = Progress(count_cases(names, points, ops) + (0 if args.no_recompute else 1), bar)
+        measurer = Measurer(reps, progress, ops)
+        try:
+            for name in names:
+                records += measurer.measure(name, points)
+            if not args.no_recompute:
+                progress.step("transfer vs recompute: tiny-llama prefill")
+                tiny = measure_prefill(256 if args.quick else 512, reps)
+                records += compare(records, args.prefill_tps, tiny, reps)
+        finally:
+            bar.close()
+    lines = _count_lines(log_path)
+    if lines:
+        print(f"kvbridge bench: {lines} lines of the measured systems' own output (warnings, UCX errors) are in {log_path}",
+              file=sys.stderr)  # fmt: skip
     return records
+
+
+@contextlib.contextmanager
+def third_party_output(path: str) -> Iterator[TextIO]:
+    """While measuring, file descriptor 2 goes to ``path``: LMCache's log lines, UCX's C-level errors and
+    child processes' stderr land there, not across the progress bar. Yields a stream on the real stderr
+    for kvbridge's own progress. Where stderr is no file descriptor (embedded), nothing is redirected."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield sys.stderr
+        return
+    ours = os.fdopen(os.dup(saved), "w", buffering=1)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield ours
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            ours.close()
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
 
 
 def run(args: argparse.Namespace) -> int:
