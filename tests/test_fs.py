@@ -144,7 +144,7 @@ def test_damaged_or_foreign_object_is_a_failed_block_never_loaded(tmp_path, dama
         victim = Path(_store(producer).path_of(sent.keys[2]))
         spoil(victim)
         got = consumer.prefill("b", tokens)
-        assert got.loaded_tokens == 4 * 16  # lookup only stats: it cannot know
+        assert got.offered_tokens == 4 * 16  # lookup only stats: it cannot know
         assert got.loaded_blocks == got.block_ids[:2]
         assert got.failed_blocks == sorted(got.block_ids[2:4])  # the engine recomputes from the bad block on
         assert torch.equal(got.snapshot[:, :4], consumer.expected(got.keys)), "foreign bytes reached the KV"
