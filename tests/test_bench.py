@@ -162,3 +162,20 @@ def test_third_party_output_goes_to_a_log_not_across_the_table(tmp_path, capfd, 
     assert "UCX  ERROR" in text and "Failed to allocate memory block" in text
     assert f"lines of the measured systems' own output (warnings, UCX errors) are in {log}" in out.err
     assert "GB/s" in out.out
+
+
+def test_report_names_every_baseline_marks_doubtful_ratios_and_sums_up():
+    from kvbridge.bench.core import Record
+    from kvbridge.bench.report import legend, summary, table
+
+    def rec(backend, op, gbps, base_gbps, baseline):
+        nbytes = 8 << 20
+        return Record(backend=backend, op=op, shape="8b", tokens=64, bytes=nbytes, blocks=64, median_s=nbytes / gbps / 1e9,
+                      p99_s=nbytes / gbps / 1e9, gbps=gbps, baseline=baseline, baseline_s=nbytes / base_gbps / 1e9,
+                      baseline_gbps=base_gbps, ratio=gbps / base_gbps, reps=3)
+
+    records = [rec("cpu", "load", 5.0, 2.0, "memcpy"), rec("fs", "load", 1.0, 2.0, "file")]
+    text = table(records)
+    assert "2.50?" in text and "0.50" in text and "ran slow in this run" in text
+    assert "memcpy  one torch copy" in legend(records) and "file    one sequential write" in legend(records)
+    assert "load         8 MiB: fastest cpu at 5.00 GB/s, 2.50x its strictest baseline" in summary(records)

@@ -20,7 +20,7 @@ from typing import TextIO
 from kvbridge.bench.cases import OPS, Measurer, Progress, bench_names, count_cases
 from kvbridge.bench.core import SHAPES, Point, Record
 from kvbridge.bench.recompute import compare, measure_prefill
-from kvbridge.bench.report import ProgressBar, plot, recompute_table, stall_table, table
+from kvbridge.bench.report import ProgressBar, legend, plot, recompute_table, stall_table, summary, table
 from kvbridge.errors import ConfigError
 
 _8B, _70B = SHAPES["8b"], SHAPES["70b"]
@@ -181,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     shapes = ", ".join(f"{s.name} = {s.bytes_per_token >> 10} KiB/token" for s in SHAPES.values() if s.name != "tiny")
     print(f"kvbridge bench ({shapes}; ratio = ours/baseline in throughput: 1.00 = as fast as the raw medium)\n")
     print(table(records))
+    if legend(records):
+        print("\n" + legend(records))
     st = stall_table(records)
     if st:
         print(
@@ -192,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     if rc:
         print("\ntransfer vs recompute (transfer = the backend's load; prefill at the given tokens/s)\n")
         print(rc)
+    if summary(records):
+        print("\n" + summary(records))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.as_dict() for r in records], f, indent=1)
