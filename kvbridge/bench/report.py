@@ -217,6 +217,7 @@ def plot(records: Sequence[Record], path: str) -> str | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return "plot skipped: matplotlib is not installed; pip install 'kvbridge[bench]'"
     fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -233,14 +234,19 @@ def plot(records: Sequence[Record], path: str) -> str | None:
             series.setdefault(f"{r.backend} {r.op}", []).append((r.bytes, r.gbps))
             if r.baseline_gbps:
                 bases.setdefault(f"{r.baseline} ({r.op})", []).append((r.bytes, r.baseline_gbps))
-    for label, pts in series.items():
+    colors = matplotlib.color_sequences["tab20"]  # one colour per backend and op: ucx and memory never share one
+    for i, (label, pts) in enumerate(sorted(series.items())):
         xs, ys = zip(*sorted(set(pts)))
-        ax.plot(xs, ys, marker="o", label=label)
-    for label, pts in bases.items():
+        ax.plot([x / (1 << 20) for x in xs], ys, marker="o", color=colors[(2 * i) % 20], label=label)
+    styles = [("--", "."), (":", "x"), ("-.", "+"), ((0, (5, 1)), "^"), ((0, (1, 3)), "v"), ((0, (3, 1, 1, 1)), "s")]
+    for i, (label, pts) in enumerate(sorted(bases.items())):  # each baseline its own line style and marker, in grey
         xs, ys = zip(*sorted(set(pts)))
-        ax.plot(xs, ys, linestyle="--", color="grey", alpha=0.7, marker=".", label=f"baseline: {label}")
+        style, marker = styles[i % len(styles)]
+        ax.plot([x / (1 << 20) for x in xs], ys, linestyle=style, marker=marker, color="0.45", alpha=0.8,
+                label=f"baseline: {label}")  # fmt: skip
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes per transfer (block size 16, scattered ids, 1 request)")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("MiB per transfer (block size 16, scattered ids, 1 request)")
     ax.set_ylabel("GB/s")
     ax.set_title("kvbridge transfer cost beside its baselines (same run)")
     ax.grid(True, alpha=0.3)
