@@ -1,56 +1,98 @@
-"""``fs`` — a shared-filesystem store: one file per (namespace, rank, block key) under a directory.
+"""``fs`` — a shared-filesystem store: one file per *chunk* (a run of up to ``chunk_tokens`` consecutive
+tokens of a prompt, as LMCache's chunks) per (namespace, rank), under a directory.
 
 The directory (local disk, NFS, Lustre, tmpfs) may be shared by any number of producer and consumer
-processes on any number of machines. Objects live at::
+processes on any number of machines. Chunks are aligned: chunk ``c`` of a prompt holds its blocks
+``c*C .. c*C+C-1`` (``C = chunk_tokens // block_size`` blocks; the last chunk of a prompt may be
+shorter). Every stored block has a *locator* — a file name derived from its key alone::
 
-    <path>/<sha256(namespace)[:16]>/<rank>/<name[:2]>/<name>     name = key.hex() (or a hash, see below)
+    <path>/<sha256(namespace)[:16]>/<rank>/v2-<C>/<name[:2]>/<name>     name = key.hex() (or a hash, see below)
 
-so a key, whatever its bytes, names a file of hex digits under the root and can never escape it.
+so a key, whatever its bytes, names a file of hex digits under the root and can never escape it. The
+locator of a chunk's *last* block is the chunk's object itself; the locators of its other blocks are
+symbolic links to it (``../<name[:2]>/<name>``). Following any locator therefore reaches an object
+that holds that block and every block of its chunk before it, so
 
-**Object format**: :data:`kvbridge.codec.FS` (version 1) — a :data:`HEADER_BYTES` header, then the
-block's bytes in every layer, layer after layer (``num_layers * block_bytes``). The header holds
-:data:`MAGIC`, the format version, the checksum kind, the full key, the layout fingerprint
-(canonical JSON), the payload length and the payload's checksum (:mod:`kvbridge.codec` has the
-byte layout). A reader checks all of them — and that the file has exactly the promised length —
-before a single byte reaches the KV cache; an object that fails is a failed block (counted in
-``stats.corrupt`` and logged), and a damaged one is deleted so the next producer rewrites it.
-Objects of another version or layout are left alone (another engine may own them).
+- **lookup** stats one locator per chunk — its last block's, which exists only if the whole chunk
+  does — and, in the first chunk that is not whole, finds how far it goes by bisection (a prompt that
+  shares only part of a chunk with a stored one still hits that part): ``ceil(n/C) + log2(C)`` stats
+  for ``n`` blocks, 4 for a 1024-token prompt in 256-token chunks, instead of one per block;
+- **loads** open one locator per object they read, whatever block the load starts at.
+
+A save that starts inside a chunk (the next step of a chunked prefill) reads the chunk's first blocks
+back from their object (checked) and writes the chunk again, whole up to where it has blocks: every
+object starts at its chunk's start, which is what makes one stat per chunk enough. The scheduler
+side tells the worker where each save starts (:class:`FsSave`, in ``BlockSave.target``).
+
+**Object format**: :data:`kvbridge.codec.FS` (version 2; :mod:`kvbridge.codec` has the byte layout)
+— a header (magic, version, checksum kind, the layout fingerprint, and per block its key and
+checksum; :data:`HEADER_BYTES` long unless the keys need more, always a multiple of 4096), then the
+blocks, each its bytes in every layer, layer after layer. A reader checks the header (its own
+checksum included), that the object has exactly the promised length, that it holds the key it was
+reached by, and each block's checksum *before that block's bytes reach the KV cache*: a damaged
+block fails from itself on (the blocks before it load), is counted in ``stats.corrupt`` and logged,
+and its object is deleted so the next producer rewrites it. Objects of another version or layout are
+left alone (another engine may own them). **Version 1 objects** (one file per block, written before)
+live outside the ``v2-<C>`` folders: today's readers never look at them (a miss, never an error) and
+eviction removes them, oldest first, like any object.
+
+**Moving bytes.** A save checksums each block straight from the KV cache and writes it from there
+(``pwritev`` of the per-layer pieces: no staging copy). A load reads each block into a small buffer
+of its thread (it stays in the CPU cache), checks it, and copies it into its block of the KV — one
+copy, never an unchecked byte in the KV. ``io_threads`` threads share a load's or a save's blocks
+(the kernel's copy, the checksum and the copy into the KV run in parallel where cores are free); a
+KV on a GPU, or one whose blocks are not contiguous, goes through a staging buffer and one scatter
+instead. ``o_direct=True`` opens objects with ``O_DIRECT`` (past the page cache: NVMe, parallel
+filesystems), through page-aligned buffers; a filesystem that refuses it is a
+:class:`~kvbridge.errors.ConfigError` at start-up. (A layout whose block is not a multiple of 4096
+bytes writes through the page cache even then; every real model's is.)
 
 **Concurrency.** A writer writes a private temporary file in the object's directory and
 ``os.replace``\\ s it into place, which is atomic on POSIX filesystems (NFS and Lustre included), so a
-reader sees the old object, the new one or none — never half of one. Readers that opened an object
-keep reading it even if it is replaced or evicted meanwhile.
+reader sees the old object, the new one or none — never half of one; links are made the same way.
+Writers of the same chunk write the same bytes, and whichever renames last wins. Readers that opened
+an object keep reading it even if it is replaced or evicted meanwhile.
 
 **Durability.** With ``fsync=False`` (the default) an object survives its writer's process dying,
 not the machine losing power (the page cache may still hold it); a half-written object is never
 visible either way. ``fsync=True`` flushes each object and its directory before the save returns:
-slower (measured 3-5x on local disk), needed only where the cache must outlive a machine crash.
+slower (measured 3-5x on local disk), needed only where the cache must outlive a machine crash. (Links
+are not flushed: one lost in a crash makes its block a miss.)
 
 **Capacity.** With ``capacity_bytes`` set, a save that would push the directory past it first
-deletes the oldest objects (by mtime: first saved, first evicted; a save that finds its key already
-present refreshes that mtime) down to 90% of the capacity, so scans stay rare. Usage is an estimate
-per process, refreshed by a scan whenever it crosses the capacity: several writers may overshoot it
-by what they wrote between scans. A full filesystem (``ENOSPC``) fails that save with
-:class:`~kvbridge.errors.StoreFull`; nothing already stored is lost.
+deletes the oldest objects (by mtime: first saved, first evicted; a save that finds its chunk already
+present refreshes that mtime) down to 90% of the capacity, so scans stay rare; links left pointing
+nowhere are misses and are removed by the same scans. Usage is an estimate per process, refreshed by
+a scan whenever it crosses the capacity: several writers may overshoot it by what they wrote between
+scans. A full filesystem (``ENOSPC``) fails that save with :class:`~kvbridge.errors.StoreFull`; the
+chunks it published before are kept, and nothing already stored is lost.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
 import hashlib
+import itertools
 import logging
+import mmap
 import os
 import secrets
+import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import torch
 
 from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
-from kvbridge.errors import Corrupted, StoreFull
-from kvbridge.layout import KVLayout
+from kvbridge.errors import ConfigError, Corrupted, StoreFull
+from kvbridge.layout import KVLayout, block_words
 from kvbridge.options import require
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -59,31 +101,53 @@ log = logging.getLogger(__name__)
 
 FORMAT = codec.FS
 MAGIC = FORMAT.magic
-VERSION = codec.VERSION
-HEADER_BYTES = FORMAT.header_bytes
+VERSION = FORMAT.version
+HEADER_BYTES = FORMAT.align  # a header's usual length: block 0 starts here unless the keys need more
 _FIXED = FORMAT.fixed  # the header's fixed fields (tests forge objects with it)
+_ALIGN = FORMAT.align
 _MAX_HEX_KEY = 64  # longer keys are hashed into the file name (NAME_MAX is 255); the header keeps the key
 _IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024) per readv/writev
 _LOW_WATER = 0.9  # evict down to this fraction of capacity_bytes
 _STALE_TMP_S = 3600.0  # temp files this old belong to a writer that died; eviction scans remove them
+_REMEMBERED = 4096  # requests (and looked-up prompts) whose save positions the scheduler side keeps
+_ENOSPC = (errno.ENOSPC, errno.EDQUOT)
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
 class FsOptions:
     """``path``: the shared directory (created if missing). ``capacity_bytes``: 0 = unbounded, else
     evict oldest objects to stay under it. ``fsync``: flush every object before the save returns.
-    ``checksum``: ``crc32`` (zlib, always there, ~3.7 GB/s here) or ``crc32c`` (hardware, ~22 GB/s,
+    ``checksum``: ``crc32`` (zlib, always there, ~4 GB/s here) or ``crc32c`` (hardware, ~12-25 GB/s,
     needs ``pip install google-crc32c``, in ``kvbridge[fs]``; the default where it is installed);
-    readers verify whichever kind an object names."""
+    readers verify whichever kind an object names. ``chunk_tokens``: tokens per object (rounded down
+    to whole blocks, at least one); engines sharing a directory find each other's objects only with
+    the same number of blocks per chunk. ``io_threads``: threads moving one load's or save's blocks.
+    ``o_direct``: bypass the page cache (``O_DIRECT``; refused where the filesystem cannot)."""
 
     path: str
     capacity_bytes: int = 0
     fsync: bool = False
     checksum: Literal["crc32", "crc32c"] = dataclasses.field(default_factory=codec.default_checksum)
+    chunk_tokens: int = 256
+    io_threads: int = 2
+    o_direct: bool = False
 
     def __post_init__(self) -> None:
         require(bool(self.path), "fs option 'path' must name a directory")
         require(self.capacity_bytes >= 0, f"fs option 'capacity_bytes' must be >= 0, got {self.capacity_bytes}")
+        require(self.chunk_tokens >= 1, f"fs option 'chunk_tokens' must be >= 1, got {self.chunk_tokens}")
+        require(1 <= self.io_threads <= 64, f"fs option 'io_threads' must be in [1, 64], got {self.io_threads}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FsSave:
+    """``BlockSave.target`` of an ``fs`` save: the position of its first key in its prompt, and the keys
+    of the blocks before it in the same chunk (``None``: not known, so that chunk is not written)."""
+
+    start: int = 0
+    head: tuple[bytes, ...] | None = ()
 
 
 def object_name(key: bytes) -> str:
@@ -93,7 +157,13 @@ def object_name(key: bytes) -> str:
     return "h" + hashlib.blake2b(key, digest_size=32).hexdigest()
 
 
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+def chunk_blocks(block_size: int, chunk_tokens: int) -> int:
+    """Blocks per chunk: ``chunk_tokens`` rounded down to whole blocks, at least one."""
+    return max(1, chunk_tokens // max(1, block_size))
+
+
+# -- I/O helpers -------------------------------------------------------------------------------------
+def _advance(bufs: list[Any], n: int) -> list[Any]:
     """``bufs`` less their first ``n`` bytes (after a short readv/writev)."""
     while bufs and n >= len(bufs[0]):
         n -= len(bufs[0])
@@ -103,53 +173,222 @@ def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
     return bufs
 
 
-def _write_all(fd: int, bufs: list[memoryview]) -> None:
-    while bufs:
-        bufs = _advance(bufs, os.writev(fd, bufs[:_IOV_MAX]))
+def _bytes_of(bufs: Sequence[Any]) -> list[memoryview]:
+    return [memoryview(b).cast("B") for b in bufs]
 
 
-def _read_all(fd: int, bufs: list[memoryview]) -> int:
-    """Fill ``bufs`` from offset 0 until they are full or the file ends; the bytes read."""
+def _write_at(fd: int, bufs: Sequence[Any], offset: int) -> None:
+    """Write ``bufs`` at ``offset``, all of them (a short write goes on where it stopped)."""
+    left = _bytes_of(bufs)
+    while left:
+        n = os.pwritev(fd, left[:_IOV_MAX], offset)
+        offset += n
+        left = _advance(left, n)
+
+
+def _read_at(fd: int, buf: Any, offset: int) -> int:
+    """Fill ``buf`` from ``offset`` until it is full or the file ends; the bytes read."""
+    view = memoryview(buf).cast("B")
     total = 0
-    while bufs:
-        n = os.preadv(fd, bufs[:_IOV_MAX], total)
+    while total < len(view):
+        n = os.preadv(fd, [view[total:]], offset + total)
         if n == 0:
             break
         total += n
-        bufs = _advance(bufs, n)
     return total
 
 
+def _aligned(nbytes: int) -> np.ndarray:
+    """A page-aligned (``O_DIRECT``-ready) byte buffer of at least ``nbytes``, its pages touched once."""
+    size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+    buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
+    buf[::_ALIGN] = 0
+    return buf
+
+
+def probe_o_direct(path: str) -> None:
+    """Raise :class:`ConfigError` unless files under ``path`` can be written and read with ``O_DIRECT``."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        raise ConfigError("fs option o_direct: O_DIRECT does not exist on this platform")
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".o_direct.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    buf = _aligned(_ALIGN)
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | flag, 0o644)
+        try:
+            os.pwrite(fd, buf.data, 0)
+            os.preadv(fd, [buf.data], 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise ConfigError(
+                f"fs option o_direct: the filesystem at {path} does not support O_DIRECT ({exc.strerror}); "
+                "leave o_direct off there"
+            ) from exc
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+
+
+class _Blocks:
+    """Numpy byte views of a CPU KV cache whose blocks are each one contiguous stretch per layer: block
+    ``b`` of layer ``l`` is ``rows[l][b]``; where the layers are evenly spaced in memory (one allocation,
+    as vLLM's), ``slab[:, b]`` is block ``b`` of every layer, so a block lands in one copy. (numpy, not
+    torch: torch's copy may fan out to its own threads, which on a loaded machine costs more than it
+    brings; numpy's releases the GIL and stays on the calling thread.)"""
+
+    def __init__(self, rows: list[np.ndarray]):
+        self.rows = rows
+        self.slab: np.ndarray | None = None
+        ptrs = [r.__array_interface__["data"][0] for r in rows]
+        step = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
+        if step and all(p == ptrs[0] + i * step for i, p in enumerate(ptrs)):
+            shape = (len(rows), rows[0].shape[0], rows[0].shape[1])
+            self.slab = np.lib.stride_tricks.as_strided(rows[0], shape, (step, *rows[0].strides), writeable=True)
+
+    @classmethod
+    def of(cls, layout: KVLayout) -> _Blocks | None:
+        """The views of ``layout``, or ``None`` where it must go through staging (a GPU, ``kv_first``)."""
+        if layout.device.type != "cpu":
+            return None
+        rows = [block_words(v, torch.uint8) for v in layout.layers]
+        if any(r is None for r in rows):
+            return None
+        return cls([r.numpy() for r in rows if r is not None])
+
+    def parts(self, block: int) -> list[np.ndarray]:
+        return [r[block] for r in self.rows]
+
+    def put(self, block: int, data: np.ndarray) -> None:
+        """Write ``data`` (``[num_layers, block_bytes]``) into block ``block`` of every layer."""
+        if self.slab is not None:
+            self.slab[:, block] = data
+        else:
+            for layer, row in enumerate(self.rows):
+                row[block] = data[layer]
+
+
 class _Tree:
-    """Where one engine's objects live under the shared root: its namespace and rank."""
+    """Where one engine's objects live under the shared root: its namespace, rank and chunk size."""
 
     def __init__(self, engine: EngineInfo, options: FsOptions):
         self.options = options
         self.root = os.path.abspath(options.path)
+        self.chunk = chunk_blocks(engine.block_size, options.chunk_tokens)
         ns = hashlib.sha256(engine.namespace.encode()).hexdigest()[:16]
-        self.dir = os.path.join(self.root, ns, str(engine.rank))
+        self.dir = os.path.join(self.root, ns, str(engine.rank), f"v{VERSION}-{self.chunk}")
 
     def path_of(self, key: bytes) -> str:
+        """The locator of ``key``: its chunk's object (the chunk's last block), or a link to it."""
         name = object_name(key)
         return os.path.join(self.dir, name[:2], name)
 
 
+def _remember(book: collections.OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    book[key] = value
+    book.move_to_end(key)
+    while len(book) > _REMEMBERED:
+        book.popitem(last=False)
+
+
 class FsIndex(_Tree, StoreIndex):
-    """Scheduler side: one stat per key, stopping at the first miss."""
+    """Scheduler side: one stat per chunk (see the module docstring), and where each save starts."""
 
     def __init__(self, engine: EngineInfo, options: FsOptions):
         StoreIndex.__init__(self, engine)
         _Tree.__init__(self, engine, options)
+        # key where a lookup's hit ended -> (its position, the keys before it in its chunk): where the
+        # request's saves will start (the store holds everything before)
+        self._hits: collections.OrderedDict[bytes, tuple[int, tuple[bytes, ...]]] = collections.OrderedDict()
+        # request -> (position of its next save's first key, the keys before it in its chunk, or None)
+        self._saving: collections.OrderedDict[str, tuple[int, tuple[bytes, ...] | None]] = collections.OrderedDict()
+
+    def _present(self, key: bytes) -> bool:
+        try:
+            os.stat(self.path_of(key))  # follows a link: a link whose object is gone is a miss
+        except OSError:  # missing, or the directory itself is gone: a miss either way
+            return False
+        return True
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        for key in keys:
-            try:
-                os.stat(self.path_of(key))
-            except OSError:  # missing, or the directory itself is gone: a miss either way
-                break
-            n += 1
+        n = self._prefix(keys)
+        if n < len(keys):
+            _remember(self._hits, keys[n], (n, tuple(keys[n - n % self.chunk : n])))
         return n
+
+    def _prefix(self, keys: Sequence[bytes]) -> int:
+        n, m = 0, len(keys)
+        while n < m:
+            end = min(n + self.chunk, m)
+            if self._present(keys[end - 1]):  # the chunk is stored whole
+                n = end
+                continue
+            if end - 1 == n or not self._present(keys[n]):
+                return n
+            # the chunk's first block is there, its last is not: bisect. A locator found names an object
+            # holding every block of its chunk up to it, so any block found proves the ones before it.
+            lo, hi = n, end - 1
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if self._present(keys[mid]):
+                    lo = mid
+                else:
+                    hi = mid
+            return lo + 1
+        return n
+
+    def reserve_save(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], Any]:
+        c = self.chunk
+        entry = self._saving.pop(request_id, None)
+        if entry is None:  # its first save: where its lookup's hit ended, or the prompt's start
+            entry = self._hits.get(keys[0], (0, ())) if keys else (0, ())
+        start, head = entry
+        if head is not None and len(head) != start % c:
+            head = None
+        end = start + len(keys)
+        known = (*head, *keys) if head is not None else tuple(keys)
+        first = start - len(head) if head is not None else start  # position of known[0]
+        tail = end - end % c  # where the chunk of the next save starts
+        _remember(self._saving, request_id, (end, known[tail - first :] if tail >= first else None))
+        return range(len(keys)), FsSave(start, head)
+
+    def release(self, request_id: str, failed: Sequence[bytes] = ()) -> None:
+        # a load's release comes before the request computes (and saves) anything; its end's after its last save
+        self._saving.pop(request_id, None)
+
+
+@dataclasses.dataclass
+class _Read:
+    """Blocks ``first .. first+count-1`` of an open object, for blocks ``at ..`` of a load."""
+
+    path: str
+    fd: int
+    chunk: codec.Chunk
+    first: int
+    count: int
+    at: int
+
+
+@dataclasses.dataclass
+class _Object:
+    """An object a save writes: its chunk's keys (``head`` of them read back from ``source``), its blocks
+    from the op (``lo .. hi-1``), and its temporary file."""
+
+    start: int
+    keys: tuple[bytes, ...]
+    head: int
+    lo: int
+    hi: int
+    path: str
+    source: _Read | None = None
+    tmp: str = ""
+    fd: int = -1
+    header: int = 0
+    sums: list[int] = dataclasses.field(default_factory=list)
+    error: BaseException | None = None
 
 
 class FsStore(_Tree, StoreIO):
@@ -159,108 +398,424 @@ class FsStore(_Tree, StoreIO):
         StoreIO.__init__(self, engine)
         _Tree.__init__(self, engine, options)
         self._kind = codec.CHECKSUMS[options.checksum]
-        self._staging = StagingPool()  # host buffers the files are read into, written from
+        self._direct = getattr(os, "O_DIRECT", 0) if options.o_direct else 0
+        self._staging = StagingPool()  # where a KV on a GPU (or in kv_first) is gathered and scattered
         self._made: set[str] = set()  # subdirectories known to exist (re-made if someone removes them)
         self._usage: int | None = None  # estimate of bytes under root, when capacity_bytes is set
+        self._local = threading.local()  # each thread's block buffer
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._views: tuple[KVLayout, _Blocks | None] | None = None
 
-    # -- worker side -------------------------------------------------------------------------------
-    def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
-        fds: list[tuple[str, int]] = []
+    def attach(self, layout: KVLayout) -> None:
+        self._blocks(layout)
+
+    def _blocks(self, layout: KVLayout) -> _Blocks | None:
+        if self._views is None or self._views[0] is not layout:
+            self._views = (layout, _Blocks.of(layout))
+        return self._views[1]
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """This thread's aligned buffer, at least ``nbytes`` (kept: a block read into it stays in the CPU cache)."""
+        buf: np.ndarray | None = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.buf = _aligned(nbytes)
+        return buf
+
+    def _parallel(self, n: int, fn: Callable[[int], T]) -> list[T]:
+        """``[fn(0), ..., fn(n-1)]``, run by up to ``io_threads`` threads (this one included), each taking
+        the next index as it goes."""
+        threads = min(self.options.io_threads, n)
+        if threads <= 1:
+            return [fn(i) for i in range(n)]
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.options.io_threads - 1, thread_name_prefix="kvbridge-fs")
+        out: list[Any] = [None] * n
+        ticket = itertools.count()
+
+        def work() -> None:
+            while (i := next(ticket)) < n:
+                out[i] = fn(i)
+
+        helpers = [self._pool.submit(work) for _ in range(threads - 1)]
         try:
-            for key in op.keys:  # a prefix: the engine recomputes from the first block that is missing
-                path = self.path_of(key)
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except OSError:
-                    break
-                fds.append((path, fd))
-                # start the kernel's read-ahead of every object now, so cold reads overlap
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            with self._staging.lend(layout, len(fds)) as staging:
-                arr = staging.numpy()  # numpy views are what readv fills (a tensor exports no buffer)
-                tail = memoryview(bytearray(1))  # must stay empty: catches objects longer than promised
-                header = memoryview(bytearray(HEADER_BYTES))
-                good = 0
-                for i, (path, fd) in enumerate(fds):
-                    parts = [memoryview(arr[layer, i]) for layer in range(layout.num_layers)]
-                    got = _read_all(fd, [header, *parts, tail])
-                    try:
-                        FORMAT.check(header, key=op.keys[i], fingerprint=layout.fingerprint, parts=parts, size=got)
-                    except Corrupted as bad:
-                        self._reject(path, fd, bad)
-                        break
-                    good += 1
-                if good:  # one vectorized scatter of the blocks that passed validation, and only those
-                    layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
+            work()
+        finally:  # never return (and close files) while a helper may still use them
+            concurrent.futures.wait(helpers)
+        for f in helpers:
+            f.result()
+        return out
+
+    # -- loads ---------------------------------------------------------------------------------------
+    def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
+        layout.check_ids(op.block_ids)  # ids outside the KV fail the whole load, before any read
+        reads = self._locate(op.keys, layout)
+        try:
+            covered = sum(r.count for r in reads)
+            good = covered
+            if covered:
+                good = self._read_blocks(op, layout, reads, covered)
             return op.block_ids[good:]
         finally:
-            for _, fd in fds:
-                os.close(fd)
+            for r in reads:
+                os.close(r.fd)
 
+    def _open(self, path: str, layout: KVLayout) -> tuple[int, codec.Chunk]:
+        """Open the object at ``path`` and check its header; :class:`Corrupted` (fd closed) if it fails."""
+        fd = os.open(path, os.O_RDONLY | self._direct)
+        try:
+            size = os.fstat(fd).st_size
+            buf = self._buffer(_ALIGN)
+            got = _read_at(fd, buf[:_ALIGN], 0)
+            length = FORMAT.header_bytes(buf[:got], size)
+            if length > got:
+                buf = _aligned(length)
+                got = _read_at(fd, buf[:length], 0)
+            return fd, FORMAT.parse(buf[:got], fingerprint=layout.fingerprint, size=size)
+        except Corrupted as bad:
+            self._reject(path, fd, bad)
+            os.close(fd)
+            raise
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _locate(self, keys: Sequence[bytes], layout: KVLayout) -> list[_Read]:
+        """The objects holding ``keys`` from the first on (open, headers checked), up to the first missing."""
+        reads: list[_Read] = []
+        i = 0
+        try:
+            while i < len(keys):
+                path = self.path_of(keys[i])
+                try:
+                    fd, chunk = self._open(path, layout)
+                except Corrupted:
+                    break
+                except OSError:  # missing: the engine recomputes from here
+                    break
+                try:
+                    first = chunk.find(keys[i])
+                except Corrupted as bad:
+                    self._reject(path, fd, bad, whole=False)
+                    os.close(fd)
+                    break
+                count = 1
+                while first + count < len(chunk.keys) and i + count < len(keys) and chunk.keys[first + count] == keys[i + count]:
+                    count += 1
+                reads.append(_Read(path, fd, chunk, first, count, i))
+                if not self._direct:  # start the kernel's read-ahead of what we read, so cold reads overlap
+                    os.posix_fadvise(fd, chunk.offset(first), count * chunk.payload, os.POSIX_FADV_WILLNEED)
+                i += count
+        except BaseException:
+            for r in reads:
+                os.close(r.fd)
+            raise
+        return reads
+
+    def _read_blocks(self, op: BlockLoad, layout: KVLayout, reads: list[_Read], covered: int) -> int:
+        """Read, check and place the located blocks; how many from the first arrived."""
+        blocks = self._blocks(layout)
+        where = [(r, r.first + t) for r in reads for t in range(r.count)]
+        failed = [covered]  # a block that failed: those after it need not be read (a hint; see below)
+        staging = None if blocks is not None else self._staging.take(layout, covered)
+        try:
+            dest = staging.numpy() if staging is not None else None
+
+            def place(i: int) -> BaseException | bool:
+                """True: block i is in the KV; False: not read (a block before it failed); else why it failed."""
+                if i > failed[0]:
+                    return False
+                r, pos = where[i]
+                try:
+                    data = self._read_block(r.fd, r.chunk, pos).reshape(layout.num_layers, layout.block_bytes)
+                except (Corrupted, OSError) as exc:
+                    failed[0] = i
+                    return exc
+                if dest is not None:
+                    dest[:, i] = data
+                elif blocks is not None:
+                    blocks.put(op.block_ids[i], data)
+                return True
+
+            outcomes = self._parallel(covered, place)
+            good = next((i for i, ok in enumerate(outcomes) if ok is not True), covered)
+            if good < covered:
+                r = where[good][0]
+                bad = outcomes[good]
+                if isinstance(bad, Corrupted):
+                    self._reject(r.path, r.fd, bad)
+                elif isinstance(bad, OSError):
+                    log.warning("fs store: reading %s failed (%s)", r.path, bad)
+            if staging is not None and good:  # one vectorized scatter of the blocks that passed, and only those
+                layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
+            return good
+        finally:
+            if staging is not None:
+                self._staging.give(staging)
+
+    def _read_block(self, fd: int, chunk: codec.Chunk, pos: int) -> np.ndarray:
+        """Block ``pos`` of an object, read into this thread's buffer and checked; :class:`Corrupted` if bad."""
+        payload = chunk.payload
+        off = chunk.offset(pos)
+        if self._direct:  # aligned offset, length and buffer; the end of the file may cut the read short
+            lo = off - off % _ALIGN
+            hi = -(-(off + payload) // _ALIGN) * _ALIGN
+            buf = self._buffer(hi - lo)
+            got = _read_at(fd, buf[: hi - lo], lo) - (off - lo)
+            data = buf[off - lo : off - lo + payload]
+        else:
+            data = self._buffer(payload)[:payload]
+            got = _read_at(fd, data, off)
+        if got < payload:
+            raise Corrupted(f"block {pos} cut short ({max(got, 0)} of {payload} bytes)", damaged=True)
+        chunk.verify(pos, [data])
+        return data
+
+    # -- saves ---------------------------------------------------------------------------------------
     def save(self, op: BlockSave, layout: KVLayout) -> None:
+        if not op.keys:
+            return
+        layout.check_ids(op.block_ids)
+        target = op.target if isinstance(op.target, FsSave) else FsSave()
+        objects = [o for o in self._objects(op, target) if not self._refresh(o.path)]
+        if not objects:
+            return
         payload = layout.num_layers * layout.block_bytes
         if self.options.capacity_bytes:
-            self._make_room(len(op.keys) * (HEADER_BYTES + payload))
+            self._make_room(sum(FORMAT.header_length(o.keys, layout.fingerprint) + len(o.keys) * payload for o in objects))
+        blocks = self._blocks(layout)
+        if blocks is not None:
+            self._save_objects(op, layout, objects, lambda i: blocks.parts(op.block_ids[i]))
+            return
         with self._staging.gathered(layout, op.block_ids) as staging:
             arr = staging.numpy()
-            for i, key in enumerate(op.keys):
-                path = self.path_of(key)
-                if self._refresh(path):
-                    continue  # already stored (by us or another writer): same key, same KV
-                parts = [memoryview(arr[layer, i]) for layer in range(layout.num_layers)]
-                header = FORMAT.pack(key, layout.fingerprint, parts, self._kind)
-                self._write_object(path, [memoryview(header), *parts])
-                if self._usage is not None:
-                    self._usage += HEADER_BYTES + payload
+            self._save_objects(op, layout, objects, lambda i: [arr[layer, i] for layer in range(layout.num_layers)])
 
-    # -- bad objects -------------------------------------------------------------------------------
-    def _reject(self, path: str, fd: int, bad: Corrupted) -> None:
-        self.stats.add(corrupt=1)
-        log.warning("fs store: %s is not loadable (%s)%s", path, bad, "; deleting it" if bad.damaged else "")
-        if not bad.damaged:
-            return
-        try:  # delete only the file we read, not one a writer has just put in its place
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
-                os.unlink(path)
-        except OSError:
-            pass
+    def _objects(self, op: BlockSave, target: FsSave) -> list[_Object]:
+        """The chunks ``op`` writes: one per chunk its blocks fall in (the first completed from ``target.head``)."""
+        out = []
+        i, n = 0, len(op.keys)
+        while i < n:
+            pos = target.start + i
+            start = pos - pos % self.chunk
+            hi = min(n, i + start + self.chunk - pos)
+            head: tuple[bytes, ...] = ()
+            if pos > start:  # inside a chunk: its first blocks come back from their object
+                if target.head is None or len(target.head) != pos - start:
+                    log.debug("fs store: %s: the first blocks of the chunk at %d are unknown; not saved", op.request_id, start)
+                    i = hi
+                    continue
+                head = target.head
+            keys = (*head, *op.keys[i:hi])
+            out.append(_Object(start, keys, len(head), i, hi, self.path_of(keys[-1])))
+            i = hi
+        return out
 
-    # -- files -------------------------------------------------------------------------------------
-    def _write_object(self, path: str, bufs: list[memoryview]) -> None:
-        folder = os.path.dirname(path)
-        if folder not in self._made:
-            os.makedirs(folder, exist_ok=True)
-            self._made.add(folder)
+    def _save_objects(self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: Callable[[int], list[Any]]) -> None:
+        # a window of objects at a time (one per thread), published before the next is written: a full disk
+        # keeps every chunk of the save but those of the window it stopped in
+        step = self.options.io_threads
+        for w in range(0, len(objects), step):
+            window = objects[w : w + step]
+            try:
+                self._write_window(op, layout, window, parts)
+            finally:
+                for o in window:
+                    self._discard(o)
+
+    def _write_window(self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: Callable[[int], list[Any]]) -> None:
+        payload = layout.num_layers * layout.block_bytes
+        direct = self._direct if payload % _ALIGN == 0 else 0
+        ready = []
+        for o in objects:
+            if o.head and not self._open_head(o, layout):
+                continue
+            o.header = FORMAT.header_length(o.keys, layout.fingerprint)
+            o.sums = [0] * len(o.keys)
+            self._create(o, direct)
+            ready.append(o)
+        # block j of every object, then block j+1: threads taking the next one write different files
+        # (writes to one file take its lock in turn)
+        live = [o for o in ready if o.error is None]
+        work = [(o, j) for j in range(max((len(o.keys) for o in live), default=0)) for o in live if j < len(o.keys)]
+        full: list[OSError] = []  # a write found the disk full: the others stop
+
+        def write(i: int) -> None:
+            o, j = work[i]
+            if o.error is not None:
+                return
+            if full:
+                o.error = full[0]
+                return
+            try:
+                off = o.header + j * payload
+                if j < o.head:  # read back from the chunk's earlier object, checked, written as it was
+                    assert o.source is not None
+                    data = self._read_block(o.source.fd, o.source.chunk, j)
+                    o.sums[j] = o.source.chunk.checksums[j] if o.source.chunk.kind == self._kind else codec.checksum(self._kind, [data])
+                    _write_at(o.fd, [data], off)
+                    return
+                src = parts(o.lo + j - o.head)
+                if direct:  # O_DIRECT writes from an aligned buffer
+                    buf = self._buffer(payload)[:payload]
+                    np.concatenate(src, out=buf)
+                    o.sums[j] = codec.checksum(self._kind, [buf])
+                    _write_at(o.fd, [buf], off)
+                else:  # straight from the KV: checksum its pieces, write them where the block goes
+                    o.sums[j] = codec.checksum(self._kind, src)
+                    _write_at(o.fd, src, off)
+            except OSError as exc:
+                o.error = exc
+                if exc.errno in _ENOSPC:
+                    full.append(exc)
+            except Corrupted as exc:
+                o.error = exc
+
+        self._parallel(len(work), write)
+        for o in ready:  # published in order: a save cut short by a full disk keeps the chunks before
+            if o.error is not None:
+                if isinstance(o.error, Corrupted):
+                    log.warning("fs store: %s: the chunk's first blocks failed (%s); not saved", o.path, o.error)
+                    continue
+                self._failed_write(o, o.error)
+            self._publish(o, layout, direct)
+
+    def _open_head(self, o: _Object, layout: KVLayout) -> bool:
+        """Open the object holding the first ``o.head`` blocks of ``o``'s chunk; ``False`` if it cannot serve."""
+        path = self.path_of(o.keys[o.head - 1])
+        try:
+            fd, chunk = self._open(path, layout)
+        except (OSError, Corrupted) as exc:
+            log.debug("fs store: the first blocks of %s are gone (%s); not saved", o.path, exc)
+            return False
+        if chunk.start != o.start or chunk.keys[: o.head] != o.keys[: o.head]:
+            os.close(fd)
+            return False
+        o.source = _Read(path, fd, chunk, 0, o.head, 0)
+        return True
+
+    def _create(self, o: _Object, direct: int) -> None:
+        folder = os.path.dirname(o.path)
+        self._mkdir(folder)
         # a private name in the same directory: os.replace is atomic only within one filesystem
-        tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        o.tmp = os.path.join(folder, f".{os.path.basename(o.path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | direct
         try:
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                o.fd = os.open(o.tmp, flags, 0o644)
             except FileNotFoundError:  # the directory was removed under us: make it again, once
-                os.makedirs(folder, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_all(fd, bufs)
-                if self.options.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+                self._made.discard(folder)
+                self._mkdir(folder)
+                o.fd = os.open(o.tmp, flags, 0o644)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreFull(f"fs store {self.root}: no space for {path} ({exc.strerror})") from exc
-            raise
+            o.error = exc
+
+    def _publish(self, o: _Object, layout: KVLayout, direct: int) -> None:
+        header = FORMAT.pack(o.keys, layout.fingerprint, o.sums, self._kind, o.start)
+        try:
+            if direct:
+                buf = _aligned(len(header))
+                buf[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+                _write_at(o.fd, [buf[: len(header)]], 0)
+            else:
+                _write_at(o.fd, [header], 0)
+            if self.options.fsync:
+                os.fsync(o.fd)
+            os.close(o.fd)
+            o.fd = -1
+            os.replace(o.tmp, o.path)
+            o.tmp = ""
+        except OSError as exc:
+            self._failed_write(o, exc)
+        if self._usage is not None:
+            self._usage += len(header) + len(o.keys) * layout.num_layers * layout.block_bytes
+        folder = os.path.dirname(o.path)
         if self.options.fsync:  # make the rename itself durable
             dfd = os.open(folder, os.O_RDONLY)
             try:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
+        name = os.path.basename(o.path)
+        target = os.path.join("..", name[:2], name)
+        for key in o.keys[:-1]:
+            self._link(self.path_of(key), target)
 
+    def _link(self, path: str, target: str) -> None:
+        """Make ``path`` a link to ``target`` (atomically replacing what is there: a shorter object of the
+        same chunk, or a link to another object holding the block)."""
+        try:
+            try:
+                os.symlink(target, path)
+                return
+            except FileNotFoundError:
+                self._made.discard(os.path.dirname(path))
+                self._mkdir(os.path.dirname(path))
+                os.symlink(target, path)
+                return
+            except FileExistsError:
+                pass
+            with contextlib.suppress(OSError):
+                if os.readlink(path) == target:
+                    return
+            tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+            os.symlink(target, tmp)
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError as exc:
+            if exc.errno in _ENOSPC:
+                raise StoreFull(f"fs store {self.root}: no space for the link {path} ({exc.strerror})") from exc
+            raise
+
+    def _mkdir(self, folder: str) -> None:
+        if folder not in self._made:
+            os.makedirs(folder, exist_ok=True)
+            self._made.add(folder)
+
+    def _discard(self, o: _Object) -> None:
+        """Close and remove what a save of ``o`` left behind (nothing, once it is published)."""
+        if o.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(o.fd)
+            o.fd = -1
+        if o.tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(o.tmp)
+            o.tmp = ""
+        if o.source is not None:
+            with contextlib.suppress(OSError):
+                os.close(o.source.fd)
+            o.source = None
+
+    def _failed_write(self, o: _Object, exc: BaseException) -> None:
+        self._discard(o)
+        if isinstance(exc, OSError) and exc.errno in _ENOSPC:
+            raise StoreFull(f"fs store {self.root}: no space for {o.path} ({exc.strerror})") from exc
+        raise exc
+
+    # -- bad objects -------------------------------------------------------------------------------
+    def _reject(self, path: str, fd: int, bad: Corrupted, *, whole: bool = True) -> None:
+        """Count and log a failed object; delete it if damaged (``whole=False``: only the link that led to it,
+        which named a key the object does not hold)."""
+        self.stats.add(corrupt=1)
+        log.warning("fs store: %s is not loadable (%s)%s", path, bad, "; deleting it" if bad.damaged else "")
+        if not bad.damaged:
+            return
+        with contextlib.suppress(OSError):
+            link = os.path.islink(path)
+            if whole:  # delete only the file we read, not one a writer has just put in its place
+                real = os.path.realpath(path)
+                if os.path.samestat(os.fstat(fd), os.stat(real)):
+                    os.unlink(real)
+            if link:
+                os.unlink(path)
+
+    # -- capacity ------------------------------------------------------------------------------------
     def _refresh(self, path: str) -> bool:
-        """Whether ``path`` exists; under a capacity, also make it young again (it is still wanted)."""
+        """Whether ``path`` exists; under a capacity, also make its object young again (it is still wanted)."""
         try:
             if self.options.capacity_bytes:
                 os.utime(path)
@@ -293,24 +848,40 @@ class FsStore(_Tree, StoreIO):
         self._usage = total
 
     def _scan(self) -> Iterator[tuple[float, int, str]]:
-        """(mtime, size, path) of every object under the root; removes stale temporary files."""
+        """(mtime, size, path) of every object under the root (v1 objects too); removes stale temporary
+        files and links whose object is gone."""
         now = time.time()
-        for folder, _, files in os.walk(self.root):
-            for name in files:
-                path = os.path.join(folder, name)
+        stack = [self.root]
+        while stack:
+            try:
+                entries = list(os.scandir(stack.pop()))
+            except OSError:
+                continue
+            for entry in entries:
                 try:
-                    st = os.stat(path)
+                    if entry.is_symlink():
+                        if not os.path.exists(entry.path):
+                            os.unlink(entry.path)
+                        continue
+                    if entry.is_dir():
+                        stack.append(entry.path)
+                        continue
+                    st = entry.stat()
                 except OSError:
                     continue
-                if name.startswith("."):
-                    if name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
+                if entry.name.startswith("."):
+                    if entry.name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
                         with contextlib.suppress(OSError):
-                            os.unlink(path)
+                            os.unlink(entry.path)
                     continue
-                yield st.st_mtime, st.st_size, path
+                yield st.st_mtime, st.st_size, entry.path
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._staging.clear()
+        self._views = None
         super().close()
 
 
@@ -322,6 +893,8 @@ class FsBackend(StoreBackend):
 
     def __init__(self, options: FsOptions):
         codec.require_checksum(options.checksum, "fs")
+        if options.o_direct:
+            probe_o_direct(options.path)
         super().__init__(options)
 
     def open_index(self, engine: EngineInfo) -> FsIndex:
@@ -333,4 +906,17 @@ class FsBackend(StoreBackend):
 
 BACKEND = FsBackend
 
-__all__ = ["BACKEND", "HEADER_BYTES", "MAGIC", "VERSION", "FsBackend", "FsOptions", "FsIndex", "FsStore", "object_name"]
+__all__ = [
+    "BACKEND",
+    "HEADER_BYTES",
+    "MAGIC",
+    "VERSION",
+    "FsBackend",
+    "FsIndex",
+    "FsOptions",
+    "FsSave",
+    "FsStore",
+    "chunk_blocks",
+    "object_name",
+    "probe_o_direct",
+]

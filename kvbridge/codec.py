@@ -1,14 +1,57 @@
-"""Block objects: how a store that keeps one object per block lays that object out, and checks it.
+"""Stored objects: how a store lays out the objects it keeps, and the checks a reader makes on them.
 
-``fs`` (a file per block) and ``lmcache`` (an LMCache value per block) write each block as one
-*block object*: a fixed-size header, then the *payload* — the block's bytes in every layer, layer
-after layer (``num_layers * block_bytes``). The two keep the formats they have always written
-(objects already stored stay readable), so a :class:`BlockFormat` is parametrized; everything else
-— the checksums, packing a header, the checks a reader makes and what a failure means — is here once.
+Two families, one set of checksums and one meaning of failure (:class:`~kvbridge.errors.Corrupted`):
 
-**Formats** (version 1, little-endian, the rest of the header zero):
+- a **chunk object** (:class:`ChunkFormat`, :data:`FS`, version 2): a run of consecutive blocks of
+  one prompt — what ``fs`` writes, one file per chunk — with a checksum per block, so a reader takes
+  the blocks it needs, block by block, and a damaged block fails only from itself on;
+- a **block object** (:class:`BlockFormat`, version 1): one block — what ``lmcache`` writes
+  (:data:`LMCACHE`, an LMCache value per block), and what ``fs`` wrote before version 2
+  (:data:`FS_V1`; kept documented, read by no one: a v1 object is a miss for today's ``fs``).
 
-:data:`FS` — 4096-byte header (the payload starts page-aligned: room for ``O_DIRECT`` or ``mmap``;
+A block's *payload* is its bytes in every layer, layer after layer (``num_layers * block_bytes``).
+
+**Chunk format** :data:`FS` (version 2, little-endian). A header of ``header_bytes`` — a multiple
+of :data:`ALIGN` (4096: blocks start page-aligned, as ``O_DIRECT`` needs; 4096 unless the keys need
+more), the rest zero — then the blocks' payloads, block after block::
+
+    offset  bytes  field
+         0      8  magic b"KVBRFS\\r\\n" (\\r\\n: a text-mode copy that mangles line ends fails it)
+         8      2  format version (2)
+        10      2  checksum kind of the blocks (1 crc32, 2 crc32c)
+        12      4  header_bytes: where block 0 starts (a multiple of 4096)
+        16      2  count n: blocks in the object
+        18      2  fingerprint length F
+        20      8  payload length of one block (num_layers * block_bytes)
+        28      4  start: the first block's position in its prompt (a multiple of the chunk size)
+        32      4  header checksum: zlib crc32 of the header_bytes with this field zero
+        36      4  zero
+        40      F  the layout fingerprint, canonical JSON (:meth:`LayoutFingerprint.to_json`)
+      40+F         n entries, one per block in order: checksum (4), key length K (2), the key (K)
+
+Block ``i`` is the ``payload`` bytes at ``header_bytes + i * payload``; the object is exactly
+``header_bytes + n * payload`` long.
+
+**Checks of a chunk object** (:meth:`ChunkFormat.parse`, then :meth:`Chunk.verify` per block),
+in this order::
+
+    at least the fixed fields                            damaged   truncated
+    magic                                                damaged   not a kvbridge object
+    format version                                       foreign   a v1 object, or a later format
+    header length: aligned, within the object            damaged   garbage, truncated
+    header checksum                                      damaged   a flipped key, length or checksum
+    checksum kind known and verifiable here              foreign   e.g. crc32c, not installed here
+    layout fingerprint                                   foreign   another layout's object
+    payload length = the layout's                        damaged
+    n >= 1, the entries fit the header                   damaged
+    size = header + n * payload                          damaged   truncated or extended
+    the key wanted is one of the entries (the store)     damaged   another key's object
+    block i's checksum (Chunk.verify)                    damaged   bit rot, a torn copy: blocks
+                                                                   before i are good, i is not
+
+**Block formats** (version 1, little-endian, the rest of the header zero):
+
+:data:`FS_V1` — 4096-byte header (the payload starts page-aligned: room for ``O_DIRECT`` or ``mmap``;
 0.2% of a 2 MiB Llama-3-8B block); key and fingerprint in full, so an object says what it holds::
 
     offset  bytes  field
@@ -38,14 +81,14 @@ fingerprint, so the header has a fixed size::
 hardware, ~22 GB/s; :func:`have_crc32c` probes for it once). A writer picks one; a reader verifies
 whichever kind an object names.
 
-**Checks** (:meth:`BlockFormat.check`), in this order; each failure raises
+**Checks of a block object** (:meth:`BlockFormat.check`), in this order; each failure raises
 :class:`~kvbridge.errors.Corrupted`, whose ``damaged`` says what to do with the object
 (``damaged``: delete it; *foreign*: leave it)::
 
     the object holds at least the header's fixed fields   damaged   truncated
     magic                                                 damaged   not a kvbridge object
     format version                                        foreign   another kvbridge's object
-    key and fingerprint lengths fit the header (FS)       damaged   garbage
+    key and fingerprint lengths fit the header (FS_V1)    damaged   garbage
     key (or its digest)                                   damaged   another key's bytes
     layout fingerprint (or its digest)                    foreign   another layout's object
     payload length = the layout's; size = header+payload  damaged   truncated or extended
@@ -72,7 +115,10 @@ import numpy as np
 from kvbridge.errors import Corrupted, MissingDependency
 from kvbridge.layout import LayoutFingerprint
 
-VERSION = 1
+VERSION = 1  # of the block formats (LMCACHE, FS_V1)
+FS_VERSION = 2  # of the chunk format FS
+ALIGN = 4096  # a chunk object's header is a multiple of it: blocks start aligned (O_DIRECT, mmap)
+MAX_HEADER = 1 << 20  # a chunk header longer than this is garbage
 CHECKSUMS: dict[str, int] = {"crc32": 1, "crc32c": 2}  # option value -> the kind a header stores
 CRC32, CRC32C = CHECKSUMS["crc32"], CHECKSUMS["crc32c"]
 
@@ -213,17 +259,168 @@ class BlockFormat:
         return _Fields(kind, crc, payload, key, bytes(view[_INLINE.size + key_len : end]))
 
 
-FS = BlockFormat(magic=b"KVBRFS\r\n", header_bytes=4096, inline=True)
+# -- chunk objects ---------------------------------------------------------------------------------
+_CHUNK = struct.Struct("<8sHHIHHQIII")  # magic, version, kind, header len, count, fp len, payload, start, header crc, 0
+_ENTRY = struct.Struct("<IH")  # a block's checksum, its key's length (the key follows)
+_HEADER_CRC = slice(32, 36)  # where the header checksum lives (zero while it is computed)
+
+
+def _header_crc(header: Any) -> int:
+    view = memoryview(header)
+    crc = zlib.crc32(view[: _HEADER_CRC.start])
+    crc = zlib.crc32(b"\0\0\0\0", crc)
+    return zlib.crc32(view[_HEADER_CRC.stop :], crc)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A chunk object's header, checked (:meth:`ChunkFormat.parse`): which blocks it holds, and where."""
+
+    kind: int  # checksum kind of the blocks
+    start: int  # the first block's position in its prompt
+    header_bytes: int  # where block 0 starts
+    payload: int  # bytes of one block (every layer)
+    keys: tuple[bytes, ...]
+    checksums: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """The object's length: header and every block."""
+        return self.header_bytes + len(self.keys) * self.payload
+
+    def offset(self, i: int) -> int:
+        """Where block ``i`` starts in the object."""
+        return self.header_bytes + i * self.payload
+
+    def find(self, key: bytes) -> int:
+        """The position of ``key`` among the object's blocks; :class:`Corrupted` (damaged) if absent."""
+        try:
+            return self.keys.index(key)
+        except ValueError:
+            raise Corrupted("object holds another key", damaged=True) from None
+
+    def verify(self, i: int, parts: Sequence[Any]) -> None:
+        """Raise :class:`Corrupted` (damaged) unless ``parts`` (block ``i``'s payload, in order) match its checksum."""
+        if checksum(self.kind, parts) != self.checksums[i]:
+            raise Corrupted(f"checksum mismatch in block {i} of {len(self.keys)}", damaged=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkFormat:
+    """The chunk-object format: a header naming every block (key and checksum), then the blocks. See the
+    module docstring for the byte layout and the checks."""
+
+    magic: bytes
+    version: int
+    align: int = ALIGN
+
+    @property
+    def fixed(self) -> struct.Struct:
+        """The header's fixed fields."""
+        return _CHUNK
+
+    def header_length(self, keys: Sequence[bytes], fingerprint: LayoutFingerprint) -> int:
+        """``header_bytes`` of an object holding blocks ``keys`` in ``fingerprint``'s layout."""
+        used = _CHUNK.size + len(_fingerprint_field(fingerprint, False)) + sum(_ENTRY.size + len(k) for k in keys)
+        return -(-used // self.align) * self.align
+
+    def pack(
+        self, keys: Sequence[bytes], fingerprint: LayoutFingerprint, checksums: Sequence[int], kind: int, start: int = 0
+    ) -> bytes:
+        """The header of an object holding blocks ``keys`` (whose payloads have ``checksums``, of ``kind``),
+        the first at position ``start`` of its prompt."""
+        if not keys or len(keys) != len(checksums):
+            raise ValueError(f"{len(keys)} keys and {len(checksums)} checksums: one of each per block, at least one")
+        if len(keys) > 0xFFFF or any(len(k) > 0xFFFF for k in keys):
+            raise ValueError("at most 65535 blocks per object, keys of at most 65535 bytes")
+        fp = _fingerprint_field(fingerprint, False)
+        size = self.header_length(keys, fingerprint)
+        if size > MAX_HEADER:
+            raise ValueError(f"a header of {size} bytes exceeds {MAX_HEADER}: fewer or shorter keys per object")
+        payload = fingerprint.num_layers * fingerprint.block_bytes
+        table = b"".join(_ENTRY.pack(c, len(k)) + k for k, c in zip(keys, checksums))
+        fixed = _CHUNK.pack(self.magic, self.version, kind, size, len(keys), len(fp), payload, start, 0, 0)
+        header = bytearray((fixed + fp + table).ljust(size, b"\0"))
+        struct.pack_into("<I", header, _HEADER_CRC.start, _header_crc(header))
+        return bytes(header)
+
+    def header_bytes(self, head: Any, size: int) -> int:
+        """How long the header is, from the object's first bytes ``head`` (at least :attr:`align` of them,
+        or the whole object if shorter) and its length ``size``; :class:`Corrupted` when those bytes
+        cannot start an object of this format (the first four checks of the table)."""
+        if size < _CHUNK.size or len(head) < _CHUNK.size:
+            raise Corrupted(f"truncated to {size} bytes", damaged=True)
+        magic, version = _PREFIX.unpack_from(head)
+        if magic != self.magic:
+            raise Corrupted("bad magic", damaged=True)
+        if version != self.version:
+            raise Corrupted(f"format version {version}, this reader knows {self.version}", damaged=False)
+        length = _CHUNK.unpack_from(head)[3]
+        if length < _CHUNK.size or length % self.align or length > MAX_HEADER:
+            raise Corrupted(f"header length {length} out of range", damaged=True)
+        if length > size:
+            raise Corrupted(f"truncated to {size} bytes, the header alone is {length}", damaged=True)
+        return int(length)
+
+    def parse(self, header: Any, *, fingerprint: LayoutFingerprint, size: int) -> Chunk:
+        """The checked header of an object of ``size`` bytes in ``fingerprint``'s layout; ``header`` is its
+        first :meth:`header_bytes` bytes. Raises :class:`Corrupted` (the module docstring's table)."""
+        length = self.header_bytes(header, size)
+        if len(header) < length:
+            raise Corrupted(f"header of {len(header)} bytes, it says {length}", damaged=True)
+        view = memoryview(header)[:length]
+        _, _, kind, _, count, fp_len, payload, start, crc, _ = _CHUNK.unpack_from(view)
+        if _header_crc(view) != crc:
+            raise Corrupted("header checksum mismatch", damaged=True)
+        if kind not in CHECKSUMS.values() or (kind == CRC32C and not have_crc32c()):
+            raise Corrupted(f"checksum kind {kind} cannot be verified here", damaged=False)
+        at = _CHUNK.size + fp_len
+        if at > length:
+            raise Corrupted("header lengths out of range", damaged=True)
+        ours = _fingerprint_field(fingerprint, False)
+        theirs = bytes(view[_CHUNK.size : at])
+        if theirs != ours:
+            raise Corrupted(f"layout {theirs.decode(errors='replace')} != ours {ours.decode()}", damaged=False)
+        want = fingerprint.num_layers * fingerprint.block_bytes
+        if payload != want:
+            raise Corrupted(f"payload length {payload} != {want}", damaged=True)
+        if count < 1:
+            raise Corrupted("an object of no blocks", damaged=True)
+        keys, sums = [], []
+        for _ in range(count):
+            if at + _ENTRY.size > length:
+                raise Corrupted("header lengths out of range", damaged=True)
+            crc_i, key_len = _ENTRY.unpack_from(view, at)
+            at += _ENTRY.size
+            if at + key_len > length:
+                raise Corrupted("header lengths out of range", damaged=True)
+            keys.append(bytes(view[at : at + key_len]))
+            sums.append(crc_i)
+            at += key_len
+        chunk = Chunk(kind, start, length, payload, tuple(keys), tuple(sums))
+        if size != chunk.size:
+            raise Corrupted(f"object of {size} bytes, the header promises {chunk.size}", damaged=True)
+        return chunk
+
+
+FS = ChunkFormat(magic=b"KVBRFS\r\n", version=FS_VERSION)
+FS_V1 = BlockFormat(magic=b"KVBRFS\r\n", header_bytes=4096, inline=True)
 LMCACHE = BlockFormat(magic=b"KVBRLM\r\n", header_bytes=64, inline=False)
 
 __all__ = [
+    "ALIGN",
     "CHECKSUMS",
     "CRC32",
     "CRC32C",
     "FS",
+    "FS_V1",
+    "FS_VERSION",
     "LMCACHE",
+    "MAX_HEADER",
     "VERSION",
     "BlockFormat",
+    "Chunk",
+    "ChunkFormat",
     "checksum",
     "default_checksum",
     "have_crc32c",

@@ -1,6 +1,6 @@
-"""The block-object codec (kvbridge/codec.py): both formats round-trip, keep their documented byte
-layouts (objects stored before stay readable), and every kind of damage raises ``Corrupted`` with
-the right ``damaged``."""
+"""The object codec (kvbridge/codec.py): the block formats (lmcache's, fs's v1) and the chunk format (fs,
+v2) round-trip, keep their documented byte layouts (objects stored before stay readable), and every
+kind of damage raises ``Corrupted`` with the right ``damaged``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kvbridge.layout import LayoutFingerprint
 FP = LayoutFingerprint(dtype="bfloat16", num_layers=3, num_kv_heads=2, head_size=8, block_size=4, block_bytes=128, kv_format="blocks_first")
 OTHER = LayoutFingerprint(dtype="bfloat16", num_layers=3, num_kv_heads=4, head_size=4, block_size=4, block_bytes=128, kv_format="blocks_first")
 KEY = bytes(range(16))
-FORMATS = {"fs": codec.FS, "lmcache": codec.LMCACHE}
+FORMATS = {"fs_v1": codec.FS_V1, "lmcache": codec.LMCACHE}
 KINDS = ["crc32", "crc32c"]
 
 
@@ -72,9 +72,9 @@ def test_round_trip(fmt, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_fs_header_is_the_documented_layout(kind):
+def test_fs_v1_header_is_the_documented_layout(kind):
     k = _kind(kind)
-    obj = Obj(codec.FS, k)
+    obj = Obj(codec.FS_V1, k)
     fp = FP.to_json().encode()
     crc = codec.checksum(k, [obj.payload])
     want = struct.pack("<8sHHHHQI", b"KVBRFS\r\n", 1, k, len(KEY), len(fp), obj.payload.nbytes, crc) + KEY + fp
@@ -105,7 +105,7 @@ def test_checksums_are_the_usual_ones_over_the_concatenation():
 
 def test_a_key_too_long_for_the_header_is_refused():
     with pytest.raises(ValueError, match="do not fit"):
-        Obj(codec.FS, key=b"k" * 4096)
+        Obj(codec.FS_V1, key=b"k" * 4096)
     Obj(codec.LMCACHE, key=b"k" * 4096).check(key=b"k" * 4096)  # a digest: any key fits
 
 
@@ -193,7 +193,7 @@ def test_another_key_is_damaged_another_layout_foreign(fmt):
 
 
 def test_format_specific_fields():
-    fs = Obj(codec.FS)
+    fs = Obj(codec.FS_V1)
     _fs_lengths(fs)
     with pytest.raises(Corrupted, match="out of range") as err:
         fs.check()
@@ -206,7 +206,7 @@ def test_format_specific_fields():
 
 
 def test_one_formats_object_is_not_the_others():
-    fs = Obj(codec.FS)
+    fs = Obj(codec.FS_V1)
     with pytest.raises(Corrupted, match="magic") as err:
         codec.LMCACHE.check(fs.header, key=KEY, fingerprint=FP, parts=fs.rows(), size=fs.size)
     assert err.value.damaged
@@ -245,3 +245,175 @@ def test_corrupted_keeps_damaged_through_pickling():
         again = pickle.loads(pickle.dumps(Corrupted("why", damaged=damaged)))
         assert isinstance(again, Corrupted) and again.damaged is damaged and str(again) == "why"
     assert Corrupted("default").damaged
+
+
+# ---- the chunk format (fs, version 2) ---------------------------------------------------------------
+KEYS = [bytes([i]) * 16 for i in range(5)]
+PAYLOAD = FP.num_layers * FP.block_bytes
+
+
+class Chunk:
+    """One chunk object as fs stores it: header bytes, then each block's payload."""
+
+    def __init__(self, kind: int = codec.CRC32, keys: list[bytes] = KEYS, start: int = 32):
+        rng = np.random.default_rng(3)
+        self.blocks = [rng.integers(0, 256, PAYLOAD, dtype=np.uint8) for _ in keys]
+        self.sums = [codec.checksum(kind, [b]) for b in self.blocks]
+        self.header = bytearray(codec.FS.pack(keys, FP, self.sums, kind, start))
+        self.size = len(self.header) + len(keys) * PAYLOAD
+
+    def parse(self, fp: LayoutFingerprint = FP) -> codec.Chunk:
+        return codec.FS.parse(self.header, fingerprint=fp, size=self.size)
+
+    def set(self, index: int, value: object, *, fix_crc: bool = True) -> None:
+        """Rewrite one fixed header field (its position in the documented struct), keeping the header checksum."""
+        values = list(codec.FS.fixed.unpack_from(self.header))
+        values[index] = value
+        values[8] = 0
+        codec.FS.fixed.pack_into(self.header, 0, *values)
+        if fix_crc:
+            struct.pack_into("<I", self.header, 32, codec._header_crc(self.header))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunk_round_trip_and_documented_layout(kind):
+    k = _kind(kind)
+    obj = Chunk(k)
+    chunk = obj.parse()
+    assert chunk.keys == tuple(KEYS) and chunk.checksums == tuple(obj.sums) and chunk.start == 32
+    assert chunk.header_bytes == 4096 == len(obj.header) and chunk.size == obj.size and chunk.offset(2) == 4096 + 2 * PAYLOAD
+    for i, block in enumerate(obj.blocks):
+        chunk.verify(i, [block])
+        chunk.verify(i, [block[:100], block[100:]])  # pieces (one per layer) are the same payload
+    fp = FP.to_json().encode()
+    table = b"".join(struct.pack("<IH", c, len(key)) + key for key, c in zip(KEYS, obj.sums))
+    fixed = struct.pack("<8sHHIHHQIII", b"KVBRFS\r\n", 2, k, 4096, len(KEYS), len(fp), PAYLOAD, 32, 0, 0)
+    want = bytearray((fixed + fp + table).ljust(4096, b"\0"))
+    struct.pack_into("<I", want, 32, zlib.crc32(bytes(want)))  # the header checksum, over the header with it zero
+    assert bytes(obj.header) == bytes(want)
+    assert chunk.find(KEYS[3]) == 3
+    with pytest.raises(Corrupted, match="another key") as err:
+        chunk.find(b"not here")
+    assert err.value.damaged
+
+
+def test_chunk_header_grows_in_pages_when_keys_need_it():
+    keys = [bytes([i]) * 200 for i in range(40)]  # 40 * 206 bytes of entries: more than one page
+    obj = Chunk(keys=keys)
+    assert len(obj.header) == 3 * 4096 and obj.parse().keys == tuple(keys)
+    with pytest.raises(ValueError, match="one of each"):
+        codec.FS.pack(KEYS, FP, [1], codec.CRC32)
+
+
+def _chunk_version(o: Chunk) -> None:
+    o.set(1, 1)  # a v1 reader's object, or a v3 one's: not ours
+
+
+def _chunk_header_len(o: Chunk) -> None:
+    o.set(3, 4097)
+
+
+def _chunk_header_past_end(o: Chunk) -> None:
+    o.size = 4000
+
+
+def _chunk_header_bit(o: Chunk) -> None:
+    o.header[codec.FS.fixed.size + len(FP.to_json()) + 9] ^= 0x01  # a key's byte
+
+
+def _chunk_kind(o: Chunk) -> None:
+    o.set(2, 9)
+
+
+def _chunk_payload_len(o: Chunk) -> None:
+    o.set(6, PAYLOAD - 8)
+
+
+def _chunk_count_zero(o: Chunk) -> None:
+    o.set(4, 0)
+
+
+def _chunk_count_huge(o: Chunk) -> None:
+    o.set(4, 4000)
+
+
+def _chunk_fp_len(o: Chunk) -> None:
+    o.set(5, 5000)
+
+
+def _chunk_longer(o: Chunk) -> None:
+    o.size += 1
+
+
+def _chunk_shorter(o: Chunk) -> None:
+    o.size -= PAYLOAD
+
+
+CHUNK_DAMAGE: dict[str, tuple[Callable[[Chunk], None], bool, str]] = {
+    "truncated": (lambda o: (setattr(o, "size", 20), o.header.__delitem__(slice(20, None))), True, "truncated"),
+    "empty": (lambda o: (setattr(o, "size", 0), o.header.clear()), True, "truncated"),
+    "bad_magic": (lambda o: o.header.__setitem__(0, o.header[0] ^ 1), True, "magic"),
+    "foreign_version": (_chunk_version, False, "version"),
+    "header_length": (_chunk_header_len, True, "out of range"),
+    "header_past_end": (_chunk_header_past_end, True, "truncated"),
+    "header_bit": (_chunk_header_bit, True, "header checksum"),
+    "unknown_checksum_kind": (_chunk_kind, False, "cannot be verified"),
+    "payload_length": (_chunk_payload_len, True, "payload length"),
+    "no_blocks": (_chunk_count_zero, True, "no blocks"),
+    "entries_past_header": (_chunk_count_huge, True, "out of range"),
+    "fingerprint_length": (_chunk_fp_len, True, "out of range"),
+    "longer": (_chunk_longer, True, "promises"),
+    "shorter": (_chunk_shorter, True, "promises"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(CHUNK_DAMAGE))
+def test_every_chunk_corruption_raises_corrupted_with_the_right_damaged(damage):
+    spoil, damaged, reason = CHUNK_DAMAGE[damage]
+    obj = Chunk()
+    spoil(obj)
+    with pytest.raises(Corrupted, match=reason) as err:
+        obj.parse()
+    assert err.value.damaged is damaged
+
+
+def test_chunk_of_another_layout_is_foreign_and_a_flipped_field_is_caught():
+    obj = Chunk()
+    with pytest.raises(Corrupted, match="layout") as err:
+        obj.parse(OTHER)
+    assert not err.value.damaged
+    obj.set(7, 48, fix_crc=False)  # "start" changed without the header checksum: caught
+    with pytest.raises(Corrupted, match="header checksum"):
+        obj.parse()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_damaged_block_fails_only_itself(kind):
+    obj = Chunk(_kind(kind))
+    chunk = obj.parse()
+    obj.blocks[2][77] ^= 0x08
+    for i, block in enumerate(obj.blocks):
+        if i == 2:
+            with pytest.raises(Corrupted, match="checksum mismatch in block 2") as err:
+                chunk.verify(i, [block])
+            assert err.value.damaged
+        else:
+            chunk.verify(i, [block])
+
+
+def test_v1_object_is_foreign_to_the_chunk_reader():
+    v1 = Obj(codec.FS_V1)
+    with pytest.raises(Corrupted, match="version 1") as err:
+        codec.FS.parse(v1.header, fingerprint=FP, size=v1.size)
+    assert not err.value.damaged
+    with pytest.raises(Corrupted, match="magic") as err:
+        codec.FS.parse(Obj(codec.LMCACHE).header + bytes(4096), fingerprint=FP, size=4096 + 64)
+    assert err.value.damaged
+
+
+def test_crc32c_chunk_where_crc32c_is_missing_is_foreign(monkeypatch):
+    obj = Chunk(_kind("crc32c"))
+    monkeypatch.setattr(codec, "_google_crc32c", lambda: None)
+    with pytest.raises(Corrupted, match="cannot be verified") as err:
+        obj.parse()
+    assert not err.value.damaged

@@ -1,4 +1,6 @@
-"""The ``fs`` store: processes sharing a directory, damaged objects, full disks, vanished directories.
+"""The ``fs`` store: processes sharing a directory, chunk objects (prefix hits inside a chunk, a damaged
+block inside one, saves that start inside one), damaged objects, v1 objects, O_DIRECT, full disks,
+vanished directories.
 
 The conformance suite (tests/test_conformance.py -k fs) covers the contract; these cover what a
 shared filesystem adds.
@@ -6,36 +8,41 @@ shared filesystem adds.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import struct
 import subprocess
 import sys
-import zlib
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from kvbridge.connectors.fs import HEADER_BYTES, MAGIC, VERSION, FsOptions, FsStore
+from kvbridge.connectors import fs
+from kvbridge.connectors.fs import HEADER_BYTES, MAGIC, VERSION, FsOptions, FsSave, FsStore
 
 import kvbridge
-from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
+from kvbridge import codec
+from kvbridge.contract import BlockLoad, BlockSave, EngineInfo, ScheduledRequest
 from kvbridge.errors import ConfigError, StoreFull
+from kvbridge.layout import KVLayout, LayoutFingerprint
 from kvbridge.testing import MiniEngine
 
 WORKER = Path(__file__).with_name("fs_worker.py")
-FIXED = struct.Struct("<8sHHHHQI")  # the documented header: magic, version, checksum kind, key/fp/payload lengths, crc
+FIXED = struct.Struct("<8sHHIHHQIII")  # the documented header: magic, version, kind, header len, count, fp len, payload, start, crc, 0
+ENTRY = struct.Struct("<IH")  # per block: checksum, key length (the key follows)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 32000, n).tolist()
 
 
-def _pair(root: Path, **options: object) -> tuple[MiniEngine, MiniEngine]:
+def _pair(root: Path, *, num_blocks: int = 64, **options: object) -> tuple[MiniEngine, MiniEngine]:
     opts = {"path": str(root), **options}
-    producer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="p", role="producer", seed=1)
-    consumer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="c", role="consumer", seed=2)
+    producer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="p", role="producer", seed=1, num_blocks=num_blocks)
+    consumer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="c", role="consumer", seed=2, num_blocks=num_blocks)
     return producer, consumer
 
 
@@ -45,25 +52,61 @@ def _store(engine: MiniEngine) -> FsStore:
     return store
 
 
+def _index(engine: MiniEngine) -> fs.FsIndex:
+    index = engine.scheduler.index  # type: ignore[attr-defined]
+    assert isinstance(index, fs.FsIndex)
+    return index
+
+
 def _objects(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file())
+    """The objects under ``root`` (regular files; the links to them left out)."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def _run(role: str, root: Path, out: Path, seed: int) -> subprocess.Popen[bytes]:
+def _links(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_symlink())
+
+
+def _object_of(store: FsStore, key: bytes) -> Path:
+    """The object holding ``key``'s block (its locator, followed)."""
+    return Path(os.path.realpath(store.path_of(key)))
+
+
+def _header(path: Path) -> tuple[tuple[int, ...], list[tuple[int, bytes]], bytes]:
+    """(fixed fields, [(checksum, key)] per block, fingerprint JSON) of an object, read as documented."""
+    data = path.read_bytes()
+    fixed = FIXED.unpack_from(data)
+    fp_len, count = fixed[5], fixed[4]
+    at = FIXED.size + fp_len
+    entries = []
+    for _ in range(count):
+        crc, key_len = ENTRY.unpack_from(data, at)
+        at += ENTRY.size
+        entries.append((crc, data[at : at + key_len]))
+        at += key_len
+    return fixed, entries, data[FIXED.size : FIXED.size + fp_len]
+
+
+def _block_offset(path: Path, i: int) -> int:
+    fixed = FIXED.unpack_from(path.read_bytes())
+    return fixed[3] + i * fixed[6]
+
+
+def _run(role: str, root: Path, out: Path, seed: int, *extra: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(WORKER.parent), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, str(WORKER), role, str(root), str(out), str(seed)], env=env, stderr=subprocess.PIPE)
+    return subprocess.Popen([sys.executable, str(WORKER), role, str(root), str(out), str(seed), *extra], env=env, stderr=subprocess.PIPE)
 
 
 def _wait(*procs: subprocess.Popen[bytes]) -> None:
     for proc in procs:
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err.decode()[-3000:]
 
 
 # ---- options -------------------------------------------------------------------------------------
 def test_options_are_checked_at_start_up(tmp_path):
-    backend = kvbridge.create_backend("fs", {"path": str(tmp_path), "capacity_bytes": "1000", "fsync": "true"})
-    assert backend.options == FsOptions(path=str(tmp_path), capacity_bytes=1000, fsync=True)
+    backend = kvbridge.create_backend("fs", {"path": str(tmp_path), "capacity_bytes": "1000", "fsync": "true", "chunk_tokens": "64"})
+    assert backend.options == FsOptions(path=str(tmp_path), capacity_bytes=1000, fsync=True, chunk_tokens=64)
     with pytest.raises(ConfigError, match="path"):
         kvbridge.create_backend("fs", {})
     with pytest.raises(ConfigError, match="capacity_bytes"):
@@ -72,6 +115,11 @@ def test_options_are_checked_at_start_up(tmp_path):
         kvbridge.create_backend("fs", {"path": str(tmp_path), "capcity": 1})
     with pytest.raises(ConfigError, match="checksum"):
         kvbridge.create_backend("fs", {"path": str(tmp_path), "checksum": "md5"})
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        kvbridge.create_backend("fs", {"path": str(tmp_path), "chunk_tokens": 0})
+    with pytest.raises(ConfigError, match="io_threads"):
+        kvbridge.create_backend("fs", {"path": str(tmp_path), "io_threads": 0})
+    assert fs.chunk_blocks(16, 256) == 16 and fs.chunk_blocks(128, 256) == 2 and fs.chunk_blocks(512, 256) == 1
 
 
 # ---- processes sharing the directory --------------------------------------------------------------
@@ -94,42 +142,187 @@ def test_concurrent_processes_never_see_torn_objects(tmp_path):
     results = [torch.load(tmp_path / f"churn{i}.pt") for i in range(3)]
     assert all(r["corrupt"] == 0 for r in results), results
     assert sum(r["loaded"] for r in results) > 0  # they did read each other's objects
-    assert not [p for p in _objects(root) if p.name.endswith(".tmp")]
+    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_concurrent_writers_of_the_same_chunk(tmp_path):
+    """Processes writing the very same chunks at the same moments (each removes them first, so every
+    round rewrites them) while reading them back: every read is a miss or bit-exact, none is torn."""
+    root = tmp_path / "store"
+    start = time.time() + 2.0  # the processes start their rounds together
+    procs = [_run("race", root, tmp_path / f"race{i}.pt", 20 + i, str(start)) for i in range(3)]
+    _wait(*procs)
+    results = [torch.load(tmp_path / f"race{i}.pt") for i in range(3)]
+    assert all(r["corrupt"] == 0 and r["bad"] == 0 for r in results), results
+    assert sum(r["loaded"] for r in results) > 0
+    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+    assert len(_objects(root)) <= 2  # one object per chunk, whoever renamed last
+
+
+# ---- chunks ----------------------------------------------------------------------------------------
+def test_one_object_per_chunk_and_one_stat_per_chunk(tmp_path, monkeypatch):
+    producer, consumer = _pair(tmp_path, num_blocks=160)
+    try:
+        tokens = _tokens(64 * 16 + 3, seed=1)
+        sent = producer.prefill("a", tokens)
+        assert len(_objects(tmp_path)) == 4  # 64 blocks in 16-block chunks
+        assert len(_links(tmp_path)) == 60  # a locator per block; the chunk's last is the object itself
+        stats = []
+        real = os.stat
+        monkeypatch.setattr(fs.os, "stat", lambda p, *a, **k: (stats.append(p), real(p, *a, **k))[1])
+        assert _index(consumer).contains_prefix(sent.keys) == 64
+        assert len(stats) == 4, stats
+        stats.clear()
+        assert _index(consumer).contains_prefix(sent.keys[:40] + [b"elsewhere"] * 24) == 40
+        assert len(stats) <= 2 + 2 + 4  # two whole chunks; the third: its ends, then a bisection
+        stats.clear()
+        assert _index(consumer).contains_prefix([b"nothing"] * 64) == 0
+        assert len(stats) == 2  # a miss: the first chunk's last block, then its first
+        monkeypatch.undo()
+        got = consumer.prefill("b", tokens)
+        assert len(got.loaded_blocks) == 64 and torch.equal(got.snapshot, sent.snapshot)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_prefix_hit_that_ends_inside_a_chunk(tmp_path):
+    """A prompt that shares only part of a stored chunk loads that part: through the links of the chunk's
+    blocks, whatever the other prompt went on with."""
+    producer, consumer = _pair(tmp_path, num_blocks=128)
+    try:
+        tokens = _tokens(40 * 16 + 5, seed=2)
+        sent = producer.prefill("a", tokens)  # chunks 0-15, 16-31 and 32-39
+        inside = tokens[: 36 * 16] + _tokens(20 * 16 + 7, seed=3)  # diverges at block 36, inside the third chunk
+        got = consumer.prefill("b", inside)
+        assert got.loaded_tokens == 36 * 16 and len(got.loaded_blocks) == 36 and got.failed_blocks == []
+        assert torch.equal(got.snapshot[:, :36], sent.snapshot[:, :36])
+        assert torch.equal(got.snapshot[:, 36:56], consumer.expected(got.keys[36:56]))
+        short = consumer.prefill("c", tokens[: 20 * 16 + 9])  # a shorter prompt, ending inside the second chunk
+        assert short.loaded_tokens == 20 * 16 and torch.equal(short.snapshot[:, :20], sent.snapshot[:, :20])
+        early = consumer.prefill("d", tokens[: 3 * 16] + _tokens(40, seed=4))  # inside the first
+        assert early.loaded_tokens == 3 * 16 and torch.equal(early.snapshot[:, :3], sent.snapshot[:, :3])
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_load_that_starts_inside_a_chunk(tmp_path):
+    """An engine that already holds the first blocks (its own prefix cache) loads from the middle of a chunk."""
+    producer, consumer = _pair(tmp_path, num_blocks=64)
+    try:
+        tokens = _tokens(30 * 16 + 1, seed=5)
+        sent = producer.prefill("a", tokens)
+        ids = consumer.allocate(30)
+        load = BlockLoad("r", tuple(ids[7:30]), tuple(sent.keys[7:30]))
+        assert list(_store(consumer).load(load, consumer.layout)) == []
+        assert torch.equal(consumer.read(ids[7:30]), sent.snapshot[:, 7:30])
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_saves_that_start_inside_a_chunk(tmp_path):
+    """A chunked prefill: its first step saves 10 blocks (a partial chunk), the next 14 more. The second
+    save rewrites the first chunk whole (its first 10 blocks read back from their object), so a lookup
+    finds all 24 blocks with one stat per chunk."""
+    producer, consumer = _pair(tmp_path, num_blocks=64)
+    try:
+        tokens = _tokens(24 * 16 + 4, seed=6)
+        req = producer.request("a", tokens)
+        ids = producer.allocate(25)
+        sched, worker = producer.scheduler, producer.worker
+        assert sched.lookup(req, 0).num_tokens == 0
+        sched.on_allocated(req, ids, 0)
+        for done, step in ((0, 10 * 16), (10 * 16, 14 * 16 + 4)):
+            producer.compute(ids[: (done + step) // 16], req.block_keys[: (done + step) // 16])
+            plan = sched.plan_step([ScheduledRequest("a", tuple(ids), done, step)])
+            assert [type(op.target) for op in plan.saves] == [FsSave]
+            worker.start_step(plan)
+            worker.finish_step()
+            assert worker.wait_idle(30)
+            sched.on_report(worker.poll())
+            if done == 0:
+                assert [len(_header(p)[1]) for p in _objects(tmp_path)] == [10]
+        assert sorted(len(_header(p)[1]) for p in _objects(tmp_path)) == [8, 16]  # the 10-block object was replaced
+        assert _index(consumer).contains_prefix(req.block_keys) == 24
+        got = consumer.prefill("b", tokens)
+        assert len(got.loaded_blocks) == 24 and got.failed_blocks == []
+        assert torch.equal(got.snapshot[:, :24], producer.read(ids[:24]))
+        producer.finish(req, ids)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_damaged_block_inside_an_object(tmp_path):
+    """Block 3 of a 6-block object is damaged: blocks 0-2 load from that very object, 3-5 are recomputed;
+    the object is deleted, and rewritten whole by the next producer."""
+    producer, consumer = _pair(tmp_path)
+    try:
+        tokens = _tokens(6 * 16 + 2, seed=7)
+        sent = producer.prefill("a", tokens)
+        (victim,) = _objects(tmp_path)
+        with open(victim, "r+b") as f:
+            f.seek(_block_offset(victim, 3) + 1000)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x04]))
+        got = consumer.prefill("b", tokens)
+        assert got.loaded_blocks == got.block_ids[:3]
+        assert got.failed_blocks == sorted(got.block_ids[3:6])
+        assert torch.equal(got.snapshot[:, :3], sent.snapshot[:, :3])
+        assert torch.equal(got.snapshot[:, :6], consumer.expected(got.keys)), "damaged bytes reached the KV"
+        assert _store(consumer).stats.corrupt == 1 and not victim.exists()
+        producer.prefill("a2", tokens)
+        again = consumer.prefill("c", tokens)
+        assert again.failed_blocks == [] and len(again.loaded_blocks) == 6 and torch.equal(again.snapshot, sent.snapshot)
+    finally:
+        producer.close()
+        consumer.close()
 
 
 # ---- damaged and foreign objects -----------------------------------------------------------------
-def _rewrite(path: Path, *, magic: bytes = MAGIC, version: int = VERSION, fp: bytes | None = None, fill: int | None = None) -> None:
-    """Rewrite an object with a consistent checksum, so only the changed field can make it fail."""
+def _rewrite(path: Path, *, fmt: codec.ChunkFormat = fs.FORMAT, fp: LayoutFingerprint | None = None, fill: int | None = None) -> None:
+    """Rewrite an object with consistent checksums, so only the changed field can make it fail."""
     data = path.read_bytes()
-    _, _, kind, key_len, fp_len, length, _ = FIXED.unpack_from(data)
-    key = data[FIXED.size : FIXED.size + key_len]
-    fp = data[FIXED.size + key_len : FIXED.size + key_len + fp_len] if fp is None else fp
-    payload = data[HEADER_BYTES:] if fill is None else bytes([fill]) * length
-    header = FIXED.pack(magic, version, kind, key_len, len(fp), length, zlib.crc32(payload)) + key + fp
-    path.write_bytes(header.ljust(HEADER_BYTES, b"\0") + payload)
+    fixed, entries, fp_json = _header(path)
+    kind, header_len, payload, start = fixed[2], fixed[3], fixed[6], fixed[7]
+    blocks = [data[header_len + i * payload : header_len + (i + 1) * payload] for i in range(len(entries))]
+    if fill is not None:
+        blocks = [bytes([fill]) * payload for _ in blocks]
+    fingerprint = fp or LayoutFingerprint.from_json(fp_json)
+    sums = [codec.checksum(kind, [b]) for b in blocks]
+    path.write_bytes(fmt.pack([k for _, k in entries], fingerprint, sums, kind, start) + b"".join(blocks))
 
 
-def _bit_flip(path: Path) -> None:
+def _payload_flip(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[HEADER_BYTES + 777] ^= 0x10
     path.write_bytes(bytes(data))
 
 
+def _header_flip(path: Path) -> None:  # a key's byte: only the header's own checksum can tell
+    data = bytearray(path.read_bytes())
+    data[FIXED.size + FIXED.unpack_from(data)[5] + ENTRY.size] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def _foreign_layout(path: Path) -> None:
-    # the fingerprint of a layout with other heads but the same bytes per block, and a payload of 0xAB
-    data = path.read_bytes()
-    key_len, fp_len = FIXED.unpack_from(data)[3:5]
-    ours = data[FIXED.size + key_len : FIXED.size + key_len + fp_len]
-    _rewrite(path, fp=ours.replace(b'"head_size":16', b'"head_size":8').replace(b'"num_kv_heads":2', b'"num_kv_heads":4'), fill=0xAB)
+    # a layout with other heads but the same bytes per block, and payloads of 0xAB
+    fp = LayoutFingerprint.from_json(_header(path)[2])
+    other = LayoutFingerprint(fp.dtype, fp.num_layers, fp.num_kv_heads * 2, fp.head_size // 2, fp.block_size, fp.block_bytes, fp.kv_format)
+    _rewrite(path, fp=other, fill=0xAB)
 
 
 DAMAGE = {
-    "bit_flip": (_bit_flip, True),
+    "bit_flip": (_payload_flip, True),
+    "header_flip": (_header_flip, True),
     "truncated": (lambda p: os.truncate(p, HEADER_BYTES + 100), True),
     "too_long": (lambda p: p.write_bytes(p.read_bytes() + b"\0"), True),
-    "bad_magic": (lambda p: _rewrite(p, magic=b"NOTKVBR!", fill=0xAB), True),
+    "bad_magic": (lambda p: _rewrite(p, fmt=codec.ChunkFormat(b"NOTKVBR!", VERSION), fill=0xAB), True),
     "empty": (lambda p: os.truncate(p, 0), True),
-    "foreign_version": (lambda p: _rewrite(p, version=VERSION + 1, fill=0xAB), False),
+    "foreign_version": (lambda p: _rewrite(p, fmt=codec.ChunkFormat(MAGIC, VERSION + 1), fill=0xAB), False),
     "foreign_layout": (_foreign_layout, False),
 }
 
@@ -137,11 +330,11 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_damaged_or_foreign_object_is_a_failed_block_never_loaded(tmp_path, damage):
     spoil, deleted = DAMAGE[damage]
-    producer, consumer = _pair(tmp_path)
+    producer, consumer = _pair(tmp_path, chunk_tokens=32)  # two blocks per object
     try:
         tokens = _tokens(4 * 16 + 3, seed=1)
         sent = producer.prefill("a", tokens)
-        victim = Path(_store(producer).path_of(sent.keys[2]))
+        victim = _object_of(_store(producer), sent.keys[2])  # the object of blocks 2 and 3
         spoil(victim)
         got = consumer.prefill("b", tokens)
         assert got.offered_tokens == 4 * 16  # lookup only stats: it cannot know
@@ -161,6 +354,93 @@ def test_damaged_or_foreign_object_is_a_failed_block_never_loaded(tmp_path, dama
         consumer.close()
 
 
+def test_a_link_to_an_object_without_its_key_is_a_failed_block(tmp_path):
+    producer, consumer = _pair(tmp_path, chunk_tokens=32)
+    try:
+        tokens = _tokens(4 * 16 + 3, seed=8)
+        sent = producer.prefill("a", tokens)
+        link = Path(_store(producer).path_of(sent.keys[2]))
+        assert link.is_symlink()
+        other = os.readlink(_store(producer).path_of(sent.keys[0]))  # the object of blocks 0 and 1
+        link.unlink()
+        link.symlink_to(other)
+        got = consumer.prefill("b", tokens)
+        assert got.loaded_blocks == got.block_ids[:2] and got.failed_blocks == sorted(got.block_ids[2:4])
+        assert not link.exists() and _object_of(_store(producer), sent.keys[0]).exists()  # only the bad link goes
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_version_1_objects_are_misses(tmp_path):
+    """Objects of the one-file-per-block format (v1) where that format kept them: never looked at, never an
+    error; eviction removes them like any object."""
+    producer, consumer = _pair(tmp_path)
+    try:
+        tokens = _tokens(3 * 16 + 1, seed=9)
+        req = producer.request("old", tokens)
+        v1 = Path(_store(producer).dir).parent  # <root>/<namespace>/<rank>: where v1 put its objects
+        layout = producer.layout
+        ids = producer.allocate(3)
+        producer.compute(ids, req.block_keys)
+        staging = layout.gather(ids)
+        for i, key in enumerate(req.block_keys):
+            rows = [memoryview(staging[layer, i].numpy()) for layer in range(layout.num_layers)]
+            name = fs.object_name(key)
+            (v1 / name[:2]).mkdir(parents=True, exist_ok=True)
+            header = codec.FS_V1.pack(key, layout.fingerprint, rows, codec.CRC32)
+            (v1 / name[:2] / name).write_bytes(header + b"".join(bytes(r) for r in rows))
+        got = consumer.prefill("b", tokens)
+        assert got.offered_tokens == 0 and got.failed_blocks == [] and _store(consumer).stats.corrupt == 0
+        assert len(list(v1.glob("*/*"))) >= 3  # left alone
+        sent = producer.prefill("new", tokens)  # today's objects beside them
+        assert torch.equal(consumer.prefill("c", tokens).snapshot, sent.snapshot)
+        store = FsStore(EngineInfo("e", 16, namespace=producer.info.namespace), FsOptions(path=str(tmp_path), capacity_bytes=1 << 30))
+        assert len([p for p in store._scan() if "/v2-" not in p[2]]) == 3  # counted (and evictable) like any object
+        store.close()
+    finally:
+        producer.close()
+        consumer.close()
+
+
+# ---- O_DIRECT ----------------------------------------------------------------------------------------
+def test_o_direct_round_trip(tmp_path):
+    try:
+        producer, consumer = _pair(tmp_path / "store", o_direct=True)
+    except ConfigError as exc:
+        pytest.skip(f"no O_DIRECT here: {exc}")
+    try:
+        tokens = _tokens(20 * 16 + 3, seed=10)
+        sent = producer.prefill("a", tokens)
+        got = consumer.prefill("b", tokens)
+        assert len(got.loaded_blocks) == 20 and torch.equal(got.snapshot, sent.snapshot)
+        victim = _object_of(_store(producer), sent.keys[17])
+        with open(victim, "r+b") as f:
+            f.seek(_block_offset(victim, 1) + 5)
+            f.write(b"\xff\xfe")
+        bad = consumer.prefill("c", tokens)
+        assert bad.loaded_blocks == bad.block_ids[:17] and bad.failed_blocks == sorted(bad.block_ids[17:20])
+        assert torch.equal(bad.snapshot[:, :20], consumer.expected(bad.keys))
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_o_direct_where_the_filesystem_refuses_it_is_a_config_error(tmp_path, monkeypatch):
+    real = os.open
+
+    def no_direct(path, flags, *args):  # what tmpfs answered before Linux 6.6
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real(path, flags, *args)
+
+    monkeypatch.setattr(fs.os, "open", no_direct)
+    with pytest.raises(ConfigError, match="does not support O_DIRECT"):
+        kvbridge.create_backend("fs", {"path": str(tmp_path), "o_direct": True})
+    assert not list(tmp_path.iterdir())  # the probe left nothing behind
+    kvbridge.create_backend("fs", {"path": str(tmp_path)})  # without it, fine
+
+
 # ---- keys, paths ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("key", [b"../../../etc/passwd", b"/abs/path", b"", b"\0" * 3, b"a/../../b" * 40, bytes(range(256))])
 def test_keys_cannot_escape_the_directory(tmp_path, key):
@@ -171,13 +451,14 @@ def test_keys_cannot_escape_the_directory(tmp_path, key):
         path = Path(store.path_of(key))
         assert path.resolve().is_relative_to(root.resolve())
         assert set(path.name) <= set("0123456789abcdefh") and len(path.name) <= 65
-        ids = producer.allocate(1)
-        producer.compute(ids, [key])
-        store.save(BlockSave("r", tuple(ids), (key,)), producer.layout)
+        ids = producer.allocate(2)
+        producer.compute(ids, [b"first", key])
+        store.save(BlockSave("r", tuple(ids), (b"first", key)), producer.layout)
         assert _objects(root) == [path]
-        assert consumer.scheduler.index.contains_prefix([key, b"other"]) == 1  # type: ignore[attr-defined]
-        dst = consumer.allocate(1)
-        assert list(_store(consumer).load(BlockLoad("r", tuple(dst), (key,)), consumer.layout)) == []
+        assert Path(os.path.realpath(store.path_of(b"first"))) == path
+        assert consumer.scheduler.index.contains_prefix([b"first", key, b"other"]) == 2  # type: ignore[attr-defined]
+        dst = consumer.allocate(2)
+        assert list(_store(consumer).load(BlockLoad("r", tuple(dst), (b"first", key)), consumer.layout)) == []
         assert torch.equal(consumer.read(dst), producer.read(ids))
     finally:
         producer.close()
@@ -189,25 +470,29 @@ def test_engines_of_other_namespaces_or_ranks_do_not_meet(tmp_path):
     a = FsStore(EngineInfo("a", 16, namespace="llama"), options)
     b = FsStore(EngineInfo("b", 16, namespace="mistral"), options)
     c = FsStore(EngineInfo("c", 16, namespace="llama", rank=1, world_size=2), options)
-    assert len({os.path.dirname(os.path.dirname(s.path_of(b"k"))) for s in (a, b, c)}) == 3
+    d = FsStore(EngineInfo("d", 16, namespace="llama"), FsOptions(path=str(tmp_path), chunk_tokens=128))  # other chunks
+    assert len({os.path.dirname(os.path.dirname(s.path_of(b"k"))) for s in (a, b, c, d)}) == 4
 
 
 # ---- capacity, full disk, vanished directory ------------------------------------------------------
 def test_capacity_evicts_the_oldest_objects(tmp_path):
     probe = MiniEngine(kvbridge.create_backend("memory", {"name": "fs-probe"}))
-    size = HEADER_BYTES + probe.layout.num_layers * probe.layout.block_bytes
+    size = HEADER_BYTES + 2 * probe.layout.num_layers * probe.layout.block_bytes  # an object of two blocks
     probe.close()
-    producer, consumer = _pair(tmp_path, capacity_bytes=10 * size)
+    producer, consumer = _pair(tmp_path, capacity_bytes=5 * size, chunk_tokens=32)
     try:
         old = producer.prefill("old", _tokens(6 * 16, seed=1))
         new = producer.prefill("new", _tokens(6 * 16, seed=2))
-        assert sum(p.stat().st_size for p in _objects(tmp_path)) <= 10 * size
-        assert _store(producer).stats.evictions >= 2
+        assert sum(p.stat().st_size for p in _objects(tmp_path)) <= 5 * size
+        assert _store(producer).stats.evictions >= 1
         got = consumer.prefill("c-new", _tokens(6 * 16, seed=2))
         assert len(got.loaded_blocks) == 6 and torch.equal(got.snapshot, new.snapshot)
         assert consumer.scheduler.index.contains_prefix(old.keys) < 6  # type: ignore[attr-defined]  # the oldest went first
+        store = _store(producer)
+        list(store._scan())
+        assert all(p.exists() for p in _links(tmp_path))  # scans remove the links left pointing nowhere
         with pytest.raises(StoreFull, match="capacity"):  # more than the whole capacity in one save
-            _store(producer).save(BlockSave("big", tuple(range(11)), tuple(bytes([i]) for i in range(11))), producer.layout)
+            store.save(BlockSave("big", tuple(range(11)), tuple(bytes([i]) for i in range(11))), producer.layout)
     finally:
         producer.close()
         consumer.close()
@@ -227,7 +512,7 @@ def small_tmpfs(tmp_path):
 
 
 def test_full_disk_fails_the_save_cleanly(small_tmpfs):
-    layout = {"head_size": 64, "num_blocks": 128}  # 36 KiB objects: ~110 fit in 4 MiB
+    layout = {"head_size": 64, "num_blocks": 128}  # 32 KiB blocks: ~120 fit in 4 MiB
     opts = {"path": str(small_tmpfs / "store")}
     producer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="p", role="producer", seed=1, **layout)
     consumer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="c", role="consumer", seed=2, **layout)
@@ -236,15 +521,16 @@ def test_full_disk_fails_the_save_cleanly(small_tmpfs):
         assert _store(producer).stats.save_failures == 0
         producer.prefill("second", _tokens(100 * 16, seed=2))  # does not fit: the save fails, the request does not
         assert _store(producer).stats.save_failures == 1
-        assert not [p for p in _objects(small_tmpfs) if p.name.endswith(".tmp")], "temp file left behind"
+        assert not [p for p in small_tmpfs.rglob("*") if p.name.endswith(".tmp")], "temp file left behind"
         got = consumer.prefill("c", _tokens(60 * 16, seed=1))  # nothing already stored was lost
         assert len(got.loaded_blocks) == 60 and torch.equal(got.snapshot, first.snapshot)
-        partial = consumer.prefill("c2", _tokens(100 * 16, seed=2))  # what did fit loads exactly
-        assert partial.failed_blocks == [] and torch.equal(partial.snapshot, consumer.expected(partial.keys))
+        partial = consumer.prefill("c2", _tokens(100 * 16, seed=2))  # the chunks that did fit load exactly
+        assert partial.failed_blocks == [] and len(partial.loaded_blocks) >= 16 and len(partial.loaded_blocks) % 16 == 0
+        assert torch.equal(partial.snapshot, consumer.expected(partial.keys))
         store = _store(producer)
-        ids = producer.allocate(20)
+        ids = producer.allocate(60)
         with pytest.raises(StoreFull):
-            store.save(BlockSave("third", tuple(ids), tuple(bytes([7, i]) for i in range(20))), producer.layout)
+            store.save(BlockSave("third", tuple(ids), tuple(bytes([7, i]) for i in range(60))), producer.layout)
     finally:
         producer.close()
         consumer.close()
@@ -278,19 +564,59 @@ def test_directory_removed_mid_run(tmp_path):
         consumer.close()
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("checksum", ["crc32", "crc32c"])
-def test_checksum_kinds_round_trip_and_catch_a_flip(tmp_path, checksum):
+def test_checksum_kinds_round_trip_and_catch_a_flip(tmp_path, checksum, threads):
     if checksum == "crc32c":
         pytest.importorskip("google_crc32c", reason="checksum='crc32c' needs google-crc32c")
-    producer, consumer = _pair(tmp_path, checksum=checksum, fsync=True)
+    producer, consumer = _pair(tmp_path, checksum=checksum, fsync=True, io_threads=threads)
     try:
         tokens = _tokens(3 * 16 + 1, seed=9)
         sent = producer.prefill("a", tokens)
         assert torch.equal(consumer.prefill("b", tokens).snapshot, sent.snapshot)
-        _bit_flip(Path(_store(producer).path_of(sent.keys[0])))
+        _payload_flip(_object_of(_store(producer), sent.keys[0]))  # in block 0
         got = consumer.prefill("c", tokens)
         assert got.loaded_blocks == [] and len(got.failed_blocks) == 3
         assert torch.equal(got.snapshot[:, :3], consumer.expected(got.keys)) and _store(consumer).stats.corrupt == 1
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_layers_of_separate_allocations(tmp_path):
+    """Layers that are not evenly spaced in memory (no one view of every layer) move the same bytes,
+    layer by layer."""
+    producer = MiniEngine(kvbridge.create_backend("fs", {"path": str(tmp_path)}), engine_id="p", role="producer")
+    try:
+        tokens = _tokens(5 * 16 + 8, seed=11)
+        sent = producer.prefill("a", tokens)
+        shape = tuple(producer.layout.layers[0].shape)  # [blocks, heads, tokens, 2 * head]
+        base = torch.zeros((4 * shape[0] + 7, *shape[1:]), dtype=torch.bfloat16)
+        views = [base[o : o + shape[0]] for o in (0, shape[0] + 1, 2 * shape[0] + 3, 3 * shape[0] + 7)]
+        layout = KVLayout.from_tensors(views, block_size=16)
+        blocks = fs._Blocks.of(layout)
+        assert blocks is not None and blocks.slab is None
+        store = FsStore(EngineInfo("c", 16, namespace=producer.info.namespace), FsOptions(path=str(tmp_path)))
+        store.attach(layout)
+        dst = (9, 3, 17, 0, 40)
+        assert list(store.load(BlockLoad("r", dst, tuple(sent.keys[:5])), layout)) == []
+        assert torch.equal(layout.gather(dst), sent.snapshot[:, :5])
+        store.close()
+    finally:
+        producer.close()
+
+
+def test_kv_first_goes_through_staging(tmp_path):
+    """kv_first (K and V of a block apart): staging, then one scatter; the same bytes arrive."""
+    opts = {"path": str(tmp_path)}
+    producer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="p", role="producer", seed=1, kv_format="kv_first")
+    consumer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="c", role="consumer", seed=2, kv_format="kv_first")
+    try:
+        assert fs._Blocks.of(consumer.layout) is None
+        tokens = _tokens(5 * 16 + 8, seed=11)
+        sent = producer.prefill("a", tokens)
+        got = consumer.prefill("b", tokens)
+        assert len(got.loaded_blocks) == 5 and torch.equal(got.snapshot[:, :5], sent.snapshot[:, :5])
     finally:
         producer.close()
         consumer.close()

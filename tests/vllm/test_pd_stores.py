@@ -13,43 +13,69 @@ Per backend, one producer run (prefill only, ``max_tokens=1``) and one consumer 
 
 from __future__ import annotations
 
-import zlib
+import os
+import struct
 from pathlib import Path
 from typing import Any
 
-from kvbridge.connectors.fs import _FIXED, HEADER_BYTES, object_name
+from kvbridge.connectors.fs import _FIXED, FORMAT, object_name
 from pdkit import BLOCK, PROMPT_LEN, assert_same_output, kv_config, output_differs
 
+from kvbridge import codec
 from kvbridge.keys import block_keys
+from kvbridge.layout import LayoutFingerprint
 
 FULL_BLOCKS = PROMPT_LEN // BLOCK
+_ENTRY = struct.Struct("<IH")  # per block in an fs object's header: checksum, key length (the key follows)
 
 
-def flip_payload(path: str) -> None:
-    """Flip bytes inside a stored object's payload; its header (and checksum) stay as they were."""
-    data = bytearray(Path(path).read_bytes())
-    for off in range(HEADER_BYTES + 100, len(data), 4099):
-        data[off] ^= 0xFF
-    Path(path).write_bytes(bytes(data))
+def _blocks(path: str) -> tuple[tuple[Any, ...], list[tuple[int, bytes]], bytes]:
+    """An fs object's fixed header fields, its (checksum, key) per block, and its fingerprint (kvbridge.codec.FS)."""
+    data = Path(path).read_bytes()
+    fixed = _FIXED.unpack_from(data)
+    at = _FIXED.size + fixed[5]
+    entries = []
+    for _ in range(fixed[4]):
+        crc, n = _ENTRY.unpack_from(data, at)
+        entries.append((crc, data[at + _ENTRY.size : at + _ENTRY.size + n]))
+        at += _ENTRY.size + n
+    return fixed, entries, data[_FIXED.size : _FIXED.size + fixed[5]]
 
 
-def forge(path: str, payload_from: str) -> None:
-    """Give the object at ``path`` another object's payload under a correct checksum: undetectable."""
-    data = bytearray(Path(path).read_bytes())
-    payload = Path(payload_from).read_bytes()[HEADER_BYTES:]
-    assert len(payload) == len(data) - HEADER_BYTES
-    fields = list(_FIXED.unpack_from(data))
-    assert fields[2] == 1, "expects crc32 objects"
-    fields[-1] = zlib.crc32(payload)
-    data[: _FIXED.size] = _FIXED.pack(*fields)
-    data[HEADER_BYTES:] = payload
-    Path(path).write_bytes(bytes(data))
+def block_extent(locator: str, key: bytes) -> tuple[str, int, int]:
+    """(object, offset, length) of the block ``key`` whose locator (its object, or a link to it) is ``locator``."""
+    obj = os.path.realpath(locator)
+    fixed, entries, _ = _blocks(obj)
+    pos = [k for _, k in entries].index(key)
+    return obj, fixed[3] + pos * fixed[6], fixed[6]
 
 
-def in_block_order(files: list[str], prompt: list[int], namespace: str) -> list[str]:
-    """A prompt's stored objects, block 0 first (file names are the blocks' keys)."""
+def flip_payload(locator: str, key: bytes) -> None:
+    """Flip bytes inside one stored block's payload; the header (and its checksums) stay as they were."""
+    obj, off, length = block_extent(locator, key)
+    data = bytearray(Path(obj).read_bytes())
+    for at in range(off + 100, off + length, 4099):
+        data[at] ^= 0xFF
+    Path(obj).write_bytes(bytes(data))
+
+
+def forge(locator: str, payload_from: str) -> None:
+    """Give the object at ``locator`` another object's blocks under correct checksums: undetectable."""
+    obj, source = os.path.realpath(locator), os.path.realpath(payload_from)
+    fixed, entries, fp = _blocks(obj)
+    src_fixed, src_entries, _ = _blocks(source)
+    assert len(entries) == len(src_entries) and fixed[6] == src_fixed[6]
+    data = Path(source).read_bytes()
+    blocks = [data[src_fixed[3] + i * fixed[6] : src_fixed[3] + (i + 1) * fixed[6]] for i in range(len(entries))]
+    sums = [codec.checksum(fixed[2], [b]) for b in blocks]
+    header = FORMAT.pack([k for _, k in entries], LayoutFingerprint.from_json(fp), sums, fixed[2], fixed[7])
+    Path(obj).write_bytes(header + b"".join(blocks))
+
+
+def in_block_order(files: list[str], prompt: list[int], namespace: str) -> list[tuple[str, bytes]]:
+    """A prompt's stored blocks, block 0 first: (its locator, its key) (locator names are the blocks' keys)."""
     by_name = {Path(f).name: f for f in files}
-    return [by_name[object_name(k)] for k in block_keys(prompt, BLOCK, namespace=namespace)]
+    return [(by_name[object_name(k)], k) for k in block_keys(prompt, BLOCK, namespace=namespace)]
 
 
 def run_pd(engine: Any, baseline: dict, prompts: dict, connector: str, extra: dict, consumer_requests: list[dict]) -> tuple[dict, Any]:
@@ -64,7 +90,7 @@ def run_pd(engine: Any, baseline: dict, prompts: dict, connector: str, extra: di
     for n in "ABC":
         assert producer[n]["tokens"] == baseline[n]["tokens"][:1]
         assert producer[n]["worker"]["save_blocks"] == FULL_BLOCKS, producer[n]["worker"]
-        assert len(producer[n]["files"]) == FULL_BLOCKS, "one stored object per full prompt block"
+        assert len(producer[n]["files"]) == FULL_BLOCKS, "a locator per full prompt block (the chunk's object or a link)"
         producer[n]["files"] = in_block_order(producer[n]["files"], prompts[n], out["namespace"])
 
     def start_consumer() -> dict:
@@ -98,16 +124,15 @@ def test_fs_pd_hand_off(engine: Any, baseline: dict, prompts: dict, tmp_path: Pa
     extra = {"path": str(tmp_path / "store")}
     requests = [{"name": n, "prompt": prompts[n], "max_tokens": 8} for n in "ABC"]
     producer, start_consumer = run_pd(engine, baseline, prompts, "FSConnector", extra, requests)
-    flip_payload(producer["B"]["files"][2])  # B: block 2 damaged -> 2 blocks load, 4 are recomputed
-    files_b = producer["B"]["files"]
-    for forged, source in zip(producer["C"]["files"], producer["A"]["files"]):  # C: A's KV, valid checksums
-        forge(forged, source)
+    flip_payload(*producer["B"]["files"][2])  # B: block 2 damaged -> 2 blocks load, 4 are recomputed
+    files_b = [f for f, _ in producer["B"]["files"]]
+    forge(producer["C"]["files"][-1][0], producer["A"]["files"][-1][0])  # C: A's KV, valid checksums
     consumer = start_consumer()
 
     assert_same_output(consumer["A"], baseline["A"])
     check_loaded(consumer["A"])
     check_caught(consumer["B"], baseline["B"], first_bad=2)
-    assert not Path(files_b[2]).exists(), "a damaged object is deleted"
+    assert not Path(files_b[2]).exists(), "a damaged object is deleted (its links lead nowhere)"
     check_loaded(consumer["C"])  # the forged KV was loaded...
     assert output_differs(consumer["C"], baseline["C"]), "...and must change the output, or these checks prove nothing"
 
@@ -126,9 +151,8 @@ def test_chain_pd_hand_off(engine: Any, baseline: dict, prompts: dict, tmp_path:
         {"name": "C", "prompt": prompts["C"], "max_tokens": 8},
     ]
     producer, start_consumer = run_pd(engine, baseline, prompts, "kvbridge.ChainConnector", extra, requests)
-    flip_payload(producer["B"]["files"][0])  # B: its first block damaged -> nothing loads, all recomputed
-    for forged, source in zip(producer["C"]["files"], producer["A"]["files"]):
-        forge(forged, source)
+    flip_payload(*producer["B"]["files"][0])  # B: its first block damaged -> nothing loads, all recomputed
+    forge(producer["C"]["files"][-1][0], producer["A"]["files"][-1][0])
     consumer = start_consumer()
 
     assert_same_output(consumer["A"], baseline["A"])
