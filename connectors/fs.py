@@ -1,28 +1,33 @@
-"""``fs`` — a shared-filesystem store: one file per *chunk* (a run of up to ``chunk_tokens`` consecutive
-tokens of a prompt, as LMCache's chunks) per (namespace, rank), under a directory.
+"""``fs`` — a shared-filesystem store: one file per *chunk* (a run of consecutive blocks of a prompt,
+``chunk_tokens`` tokens on average, as LMCache's chunks) per (namespace, rank), under a directory.
 
 The directory (local disk, NFS, Lustre, tmpfs) may be shared by any number of producer and consumer
-processes on any number of machines. Chunks are aligned: chunk ``c`` of a prompt holds its blocks
-``c*C .. c*C+C-1`` (``C = chunk_tokens // block_size`` blocks; the last chunk of a prompt may be
-shorter). Every stored block has a *locator* — a file name derived from its key alone::
+processes on any number of machines. **Where chunks end is a property of the blocks' keys**: block
+``i`` ends a chunk when ``crc32(key) % C == 0`` (``C = chunk_tokens // block_size`` blocks, so chunks
+are ``C`` blocks long on average; the last chunk of a prompt ends with it). Keys are chained over the
+whole prefix, so every engine cuts a prompt the same way without knowing where a list of keys starts
+in its prompt — a tier of a ``chain`` asked about a prompt's tail finds the same chunks as an engine
+asked about the whole prompt. Every stored block has a *locator*, a file name derived from its key
+alone::
 
     <path>/<sha256(namespace)[:16]>/<rank>/v2-<C>/<name[:2]>/<name>     name = key.hex() (or a hash, see below)
 
 so a key, whatever its bytes, names a file of hex digits under the root and can never escape it. The
 locator of a chunk's *last* block is the chunk's object itself; the locators of its other blocks are
-symbolic links to it (``../<name[:2]>/<name>``). Following any locator therefore reaches an object
-that holds that block and every block of its chunk before it, so
+symbolic links to it (``../<name[:2]>/<name>``). Every object starts where its chunk starts, so
+following any locator reaches an object holding that block and every block of its chunk before it:
 
 - **lookup** stats one locator per chunk — its last block's, which exists only if the whole chunk
   does — and, in the first chunk that is not whole, finds how far it goes by bisection (a prompt that
-  shares only part of a chunk with a stored one still hits that part): ``ceil(n/C) + log2(C)`` stats
-  for ``n`` blocks, 4 for a 1024-token prompt in 256-token chunks, instead of one per block;
+  shares only part of a chunk with a stored one still hits that part): about ``n/C + log2(C)`` stats
+  for ``n`` blocks (5 for a 1024-token prompt in 256-token chunks) instead of one per block;
 - **loads** open one locator per object they read, whatever block the load starts at.
 
 A save that starts inside a chunk (the next step of a chunked prefill) reads the chunk's first blocks
-back from their object (checked) and writes the chunk again, whole up to where it has blocks: every
-object starts at its chunk's start, which is what makes one stat per chunk enough. The scheduler
-side tells the worker where each save starts (:class:`FsSave`, in ``BlockSave.target``).
+back from their object (checked) and writes the chunk again, whole up to where it has blocks. Which
+blocks those are, the scheduler side tells the worker (:class:`FsSave`, in ``BlockSave.target``);
+where it cannot know (a tier of a chain that saves after another tier's hit), the rest of that chunk
+is not written.
 
 **Object format**: :data:`kvbridge.codec.FS` (version 2; :mod:`kvbridge.codec` has the byte layout)
 — a header (magic, version, checksum kind, the layout fingerprint, and per block its key and
@@ -83,6 +88,7 @@ import os
 import secrets
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -91,7 +97,7 @@ import torch
 
 from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
-from kvbridge.errors import ConfigError, Corrupted, StoreFull
+from kvbridge.errors import ConfigError, Corrupted, LayoutError, StoreFull
 from kvbridge.layout import KVLayout, block_words
 from kvbridge.options import require
 from kvbridge.staging import StagingPool
@@ -121,9 +127,9 @@ class FsOptions:
     evict oldest objects to stay under it. ``fsync``: flush every object before the save returns.
     ``checksum``: ``crc32`` (zlib, always there, ~4 GB/s here) or ``crc32c`` (hardware, ~12-25 GB/s,
     needs ``pip install google-crc32c``, in ``kvbridge[fs]``; the default where it is installed);
-    readers verify whichever kind an object names. ``chunk_tokens``: tokens per object (rounded down
-    to whole blocks, at least one); engines sharing a directory find each other's objects only with
-    the same number of blocks per chunk. ``io_threads``: threads moving one load's or save's blocks.
+    readers verify whichever kind an object names. ``chunk_tokens``: tokens per object on average (in
+    whole blocks, at least one); engines sharing a directory find each other's objects only with the
+    same number of blocks per chunk. ``io_threads``: threads moving one load's or save's blocks.
     ``o_direct``: bypass the page cache (``O_DIRECT``; refused where the filesystem cannot)."""
 
     path: str
@@ -143,10 +149,9 @@ class FsOptions:
 
 @dataclasses.dataclass(frozen=True)
 class FsSave:
-    """``BlockSave.target`` of an ``fs`` save: the position of its first key in its prompt, and the keys
-    of the blocks before it in the same chunk (``None``: not known, so that chunk is not written)."""
+    """``BlockSave.target`` of an ``fs`` save: the keys of the blocks before its first in the same chunk
+    (``()``: it starts a chunk; ``None``: not known, so that chunk is not written)."""
 
-    start: int = 0
     head: tuple[bytes, ...] | None = ()
 
 
@@ -158,8 +163,21 @@ def object_name(key: bytes) -> str:
 
 
 def chunk_blocks(block_size: int, chunk_tokens: int) -> int:
-    """Blocks per chunk: ``chunk_tokens`` rounded down to whole blocks, at least one."""
+    """Blocks per chunk (on average): ``chunk_tokens`` rounded down to whole blocks, at least one."""
     return max(1, chunk_tokens // max(1, block_size))
+
+
+def ends_chunk(key: bytes, chunk: int) -> bool:
+    """Whether the block of ``key`` is the last of its chunk (of ``chunk`` blocks on average)."""
+    return chunk == 1 or zlib.crc32(key) % chunk == 0
+
+
+def chunk_end(keys: Sequence[bytes], i: int, chunk: int) -> int:
+    """The index of the last block of the chunk holding ``keys[i]`` (the last key if its chunk goes on)."""
+    last = len(keys) - 1
+    while i < last and not ends_chunk(keys[i], chunk):
+        i += 1
+    return i
 
 
 # -- I/O helpers -------------------------------------------------------------------------------------
@@ -204,6 +222,12 @@ def _aligned(nbytes: int) -> np.ndarray:
     buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
     buf[::_ALIGN] = 0
     return buf
+
+
+def _check_ids(block_ids: Sequence[int], layout: KVLayout) -> None:
+    """:class:`LayoutError` for ids outside the KV (what :meth:`KVLayout.check_ids` checks, without a tensor)."""
+    if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
+        raise LayoutError(f"block ids outside [0, {layout.num_blocks}): min={min(block_ids)} max={max(block_ids)}")
 
 
 def probe_o_direct(path: str) -> None:
@@ -300,11 +324,11 @@ class FsIndex(_Tree, StoreIndex):
     def __init__(self, engine: EngineInfo, options: FsOptions):
         StoreIndex.__init__(self, engine)
         _Tree.__init__(self, engine, options)
-        # key where a lookup's hit ended -> (its position, the keys before it in its chunk): where the
-        # request's saves will start (the store holds everything before)
-        self._hits: collections.OrderedDict[bytes, tuple[int, tuple[bytes, ...]]] = collections.OrderedDict()
-        # request -> (position of its next save's first key, the keys before it in its chunk, or None)
-        self._saving: collections.OrderedDict[str, tuple[int, tuple[bytes, ...] | None]] = collections.OrderedDict()
+        # key where a lookup's hit ended -> the keys before it in its chunk: where the request's saves will
+        # start (the store holds everything before)
+        self._hits: collections.OrderedDict[bytes, tuple[bytes, ...]] = collections.OrderedDict()
+        # request -> the keys of the chunk its next save goes on with (None: not known)
+        self._saving: collections.OrderedDict[str, tuple[bytes, ...] | None] = collections.OrderedDict()
 
     def _present(self, key: bytes) -> bool:
         try:
@@ -315,22 +339,25 @@ class FsIndex(_Tree, StoreIndex):
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         n = self._prefix(keys)
-        if n < len(keys):
-            _remember(self._hits, keys[n], (n, tuple(keys[n - n % self.chunk : n])))
+        if n < len(keys) and self.engine.role == "both":  # its saves start at n (a producer's at the prompt's start)
+            b = n - 1
+            while b >= 0 and not ends_chunk(keys[b], self.chunk):
+                b -= 1
+            _remember(self._hits, keys[n], tuple(keys[b + 1 : n]))
         return n
 
     def _prefix(self, keys: Sequence[bytes]) -> int:
         n, m = 0, len(keys)
         while n < m:
-            end = min(n + self.chunk, m)
-            if self._present(keys[end - 1]):  # the chunk is stored whole
-                n = end
+            end = chunk_end(keys, n, self.chunk)
+            if self._present(keys[end]):  # the chunk is stored whole (as far as these keys go)
+                n = end + 1
                 continue
-            if end - 1 == n or not self._present(keys[n]):
+            if end == n or not self._present(keys[n]):
                 return n
-            # the chunk's first block is there, its last is not: bisect. A locator found names an object
+            # the chunk's first block here is there, its last is not: bisect. A locator found names an object
             # holding every block of its chunk up to it, so any block found proves the ones before it.
-            lo, hi = n, end - 1
+            lo, hi = n, end
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 if self._present(keys[mid]):
@@ -341,19 +368,18 @@ class FsIndex(_Tree, StoreIndex):
         return n
 
     def reserve_save(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], Any]:
-        c = self.chunk
-        entry = self._saving.pop(request_id, None)
-        if entry is None:  # its first save: where its lookup's hit ended, or the prompt's start
-            entry = self._hits.get(keys[0], (0, ())) if keys else (0, ())
-        start, head = entry
-        if head is not None and len(head) != start % c:
-            head = None
-        end = start + len(keys)
-        known = (*head, *keys) if head is not None else tuple(keys)
-        first = start - len(head) if head is not None else start  # position of known[0]
-        tail = end - end % c  # where the chunk of the next save starts
-        _remember(self._saving, request_id, (end, known[tail - first :] if tail >= first else None))
-        return range(len(keys)), FsSave(start, head)
+        if request_id in self._saving:  # the request's next save: after its previous one
+            head = self._saving.pop(request_id)
+        else:  # its first: where its lookup's hit ended, or its prompt's start
+            head = self._hits.get(keys[0], ()) if keys else ()
+        run = (*head, *keys) if head is not None else tuple(keys)
+        b = len(run) - 1
+        while b >= 0 and not ends_chunk(run[b], self.chunk):
+            b -= 1
+        # the keys of the chunk the next save goes on with (unknown if its start is not among them)
+        tail = run[b + 1 :] if b >= 0 or head is not None else None
+        _remember(self._saving, request_id, tail)
+        return range(len(keys)), FsSave(head)
 
     def release(self, request_id: str, failed: Sequence[bytes] = ()) -> None:
         # a load's release comes before the request computes (and saves) anything; its end's after its last save
@@ -377,7 +403,6 @@ class _Object:
     """An object a save writes: its chunk's keys (``head`` of them read back from ``source``), its blocks
     from the op (``lo .. hi-1``), and its temporary file."""
 
-    start: int
     keys: tuple[bytes, ...]
     head: int
     lo: int
@@ -447,7 +472,7 @@ class FsStore(_Tree, StoreIO):
 
     # -- loads ---------------------------------------------------------------------------------------
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
-        layout.check_ids(op.block_ids)  # ids outside the KV fail the whole load, before any read
+        _check_ids(op.block_ids, layout)  # ids outside the KV fail the whole load, before any read
         reads = self._locate(op.keys, layout)
         try:
             covered = sum(r.count for r in reads)
@@ -574,7 +599,7 @@ class FsStore(_Tree, StoreIO):
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         if not op.keys:
             return
-        layout.check_ids(op.block_ids)
+        _check_ids(op.block_ids, layout)
         target = op.target if isinstance(op.target, FsSave) else FsSave()
         objects = [o for o in self._objects(op, target) if not self._refresh(o.path)]
         if not objects:
@@ -593,21 +618,18 @@ class FsStore(_Tree, StoreIO):
     def _objects(self, op: BlockSave, target: FsSave) -> list[_Object]:
         """The chunks ``op`` writes: one per chunk its blocks fall in (the first completed from ``target.head``)."""
         out = []
-        i, n = 0, len(op.keys)
+        n = len(op.keys)
+        i = 0
+        head: tuple[bytes, ...] | None = target.head
         while i < n:
-            pos = target.start + i
-            start = pos - pos % self.chunk
-            hi = min(n, i + start + self.chunk - pos)
-            head: tuple[bytes, ...] = ()
-            if pos > start:  # inside a chunk: its first blocks come back from their object
-                if target.head is None or len(target.head) != pos - start:
-                    log.debug("fs store: %s: the first blocks of the chunk at %d are unknown; not saved", op.request_id, start)
-                    i = hi
-                    continue
-                head = target.head
-            keys = (*head, *op.keys[i:hi])
-            out.append(_Object(start, keys, len(head), i, hi, self.path_of(keys[-1])))
-            i = hi
+            end = chunk_end(op.keys, i, self.chunk) + 1
+            if head is None:  # inside a chunk whose first blocks are unknown: not saved
+                log.debug("fs store: %s: the first blocks of the chunk of block %d are unknown; not saved", op.request_id, i)
+            else:
+                keys = (*head, *op.keys[i:end])
+                out.append(_Object(keys, len(head), i, end, self.path_of(keys[-1])))
+            head = ()
+            i = end
         return out
 
     def _save_objects(self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: Callable[[int], list[Any]]) -> None:
@@ -687,7 +709,7 @@ class FsStore(_Tree, StoreIO):
         except (OSError, Corrupted) as exc:
             log.debug("fs store: the first blocks of %s are gone (%s); not saved", o.path, exc)
             return False
-        if chunk.start != o.start or chunk.keys[: o.head] != o.keys[: o.head]:
+        if chunk.keys[: o.head] != o.keys[: o.head]:  # it must start where the chunk does
             os.close(fd)
             return False
         o.source = _Read(path, fd, chunk, 0, o.head, 0)
@@ -710,7 +732,7 @@ class FsStore(_Tree, StoreIO):
             o.error = exc
 
     def _publish(self, o: _Object, layout: KVLayout, direct: int) -> None:
-        header = FORMAT.pack(o.keys, layout.fingerprint, o.sums, self._kind, o.start)
+        header = FORMAT.pack(o.keys, layout.fingerprint, o.sums, self._kind)
         try:
             if direct:
                 buf = _aligned(len(header))
@@ -917,6 +939,8 @@ __all__ = [
     "FsSave",
     "FsStore",
     "chunk_blocks",
+    "chunk_end",
+    "ends_chunk",
     "object_name",
     "probe_o_direct",
 ]

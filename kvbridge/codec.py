@@ -23,7 +23,7 @@ more), the rest zero — then the blocks' payloads, block after block::
         16      2  count n: blocks in the object
         18      2  fingerprint length F
         20      8  payload length of one block (num_layers * block_bytes)
-        28      4  start: the first block's position in its prompt (a multiple of the chunk size)
+        28      4  zero (reserved)
         32      4  header checksum: zlib crc32 of the header_bytes with this field zero
         36      4  zero
         40      F  the layout fingerprint, canonical JSON (:meth:`LayoutFingerprint.to_json`)
@@ -157,7 +157,8 @@ def checksum(kind: int, parts: Sequence[Any]) -> int:
         if lib is None:
             raise MissingDependency("crc32c needs google-crc32c: pip install google-crc32c")
         for part in parts:
-            crc = lib.extend(crc, np.asarray(part))  # it refuses memoryviews; a numpy view is no copy
+            # it refuses memoryviews (a numpy view is no copy); it releases the GIL only for bytes >= 1 MiB
+            crc = lib.extend(crc, part if isinstance(part, bytes) else np.asarray(part))
         return int(crc)
     if kind != CRC32:
         raise ValueError(f"unknown checksum kind {kind}")
@@ -260,7 +261,7 @@ class BlockFormat:
 
 
 # -- chunk objects ---------------------------------------------------------------------------------
-_CHUNK = struct.Struct("<8sHHIHHQIII")  # magic, version, kind, header len, count, fp len, payload, start, header crc, 0
+_CHUNK = struct.Struct("<8sHHIHHQIII")  # magic, version, kind, header len, count, fp len, payload, 0, header crc, 0
 _ENTRY = struct.Struct("<IH")  # a block's checksum, its key's length (the key follows)
 _HEADER_CRC = slice(32, 36)  # where the header checksum lives (zero while it is computed)
 
@@ -277,7 +278,6 @@ class Chunk:
     """A chunk object's header, checked (:meth:`ChunkFormat.parse`): which blocks it holds, and where."""
 
     kind: int  # checksum kind of the blocks
-    start: int  # the first block's position in its prompt
     header_bytes: int  # where block 0 starts
     payload: int  # bytes of one block (every layer)
     keys: tuple[bytes, ...]
@@ -324,11 +324,8 @@ class ChunkFormat:
         used = _CHUNK.size + len(_fingerprint_field(fingerprint, False)) + sum(_ENTRY.size + len(k) for k in keys)
         return -(-used // self.align) * self.align
 
-    def pack(
-        self, keys: Sequence[bytes], fingerprint: LayoutFingerprint, checksums: Sequence[int], kind: int, start: int = 0
-    ) -> bytes:
-        """The header of an object holding blocks ``keys`` (whose payloads have ``checksums``, of ``kind``),
-        the first at position ``start`` of its prompt."""
+    def pack(self, keys: Sequence[bytes], fingerprint: LayoutFingerprint, checksums: Sequence[int], kind: int) -> bytes:
+        """The header of an object holding blocks ``keys``, in order, whose payloads have ``checksums`` (of ``kind``)."""
         if not keys or len(keys) != len(checksums):
             raise ValueError(f"{len(keys)} keys and {len(checksums)} checksums: one of each per block, at least one")
         if len(keys) > 0xFFFF or any(len(k) > 0xFFFF for k in keys):
@@ -339,7 +336,7 @@ class ChunkFormat:
             raise ValueError(f"a header of {size} bytes exceeds {MAX_HEADER}: fewer or shorter keys per object")
         payload = fingerprint.num_layers * fingerprint.block_bytes
         table = b"".join(_ENTRY.pack(c, len(k)) + k for k, c in zip(keys, checksums))
-        fixed = _CHUNK.pack(self.magic, self.version, kind, size, len(keys), len(fp), payload, start, 0, 0)
+        fixed = _CHUNK.pack(self.magic, self.version, kind, size, len(keys), len(fp), payload, 0, 0, 0)
         header = bytearray((fixed + fp + table).ljust(size, b"\0"))
         struct.pack_into("<I", header, _HEADER_CRC.start, _header_crc(header))
         return bytes(header)
@@ -369,7 +366,7 @@ class ChunkFormat:
         if len(header) < length:
             raise Corrupted(f"header of {len(header)} bytes, it says {length}", damaged=True)
         view = memoryview(header)[:length]
-        _, _, kind, _, count, fp_len, payload, start, crc, _ = _CHUNK.unpack_from(view)
+        _, _, kind, _, count, fp_len, payload, _, crc, _ = _CHUNK.unpack_from(view)
         if _header_crc(view) != crc:
             raise Corrupted("header checksum mismatch", damaged=True)
         if kind not in CHECKSUMS.values() or (kind == CRC32C and not have_crc32c()):
@@ -397,7 +394,7 @@ class ChunkFormat:
             keys.append(bytes(view[at : at + key_len]))
             sums.append(crc_i)
             at += key_len
-        chunk = Chunk(kind, start, length, payload, tuple(keys), tuple(sums))
+        chunk = Chunk(kind, length, payload, tuple(keys), tuple(sums))
         if size != chunk.size:
             raise Corrupted(f"object of {size} bytes, the header promises {chunk.size}", damaged=True)
         return chunk

@@ -255,11 +255,11 @@ PAYLOAD = FP.num_layers * FP.block_bytes
 class Chunk:
     """One chunk object as fs stores it: header bytes, then each block's payload."""
 
-    def __init__(self, kind: int = codec.CRC32, keys: list[bytes] = KEYS, start: int = 32):
+    def __init__(self, kind: int = codec.CRC32, keys: list[bytes] = KEYS):
         rng = np.random.default_rng(3)
         self.blocks = [rng.integers(0, 256, PAYLOAD, dtype=np.uint8) for _ in keys]
         self.sums = [codec.checksum(kind, [b]) for b in self.blocks]
-        self.header = bytearray(codec.FS.pack(keys, FP, self.sums, kind, start))
+        self.header = bytearray(codec.FS.pack(keys, FP, self.sums, kind))
         self.size = len(self.header) + len(keys) * PAYLOAD
 
     def parse(self, fp: LayoutFingerprint = FP) -> codec.Chunk:
@@ -280,14 +280,14 @@ def test_chunk_round_trip_and_documented_layout(kind):
     k = _kind(kind)
     obj = Chunk(k)
     chunk = obj.parse()
-    assert chunk.keys == tuple(KEYS) and chunk.checksums == tuple(obj.sums) and chunk.start == 32
+    assert chunk.keys == tuple(KEYS) and chunk.checksums == tuple(obj.sums)
     assert chunk.header_bytes == 4096 == len(obj.header) and chunk.size == obj.size and chunk.offset(2) == 4096 + 2 * PAYLOAD
     for i, block in enumerate(obj.blocks):
         chunk.verify(i, [block])
         chunk.verify(i, [block[:100], block[100:]])  # pieces (one per layer) are the same payload
     fp = FP.to_json().encode()
     table = b"".join(struct.pack("<IH", c, len(key)) + key for key, c in zip(KEYS, obj.sums))
-    fixed = struct.pack("<8sHHIHHQIII", b"KVBRFS\r\n", 2, k, 4096, len(KEYS), len(fp), PAYLOAD, 32, 0, 0)
+    fixed = struct.pack("<8sHHIHHQIII", b"KVBRFS\r\n", 2, k, 4096, len(KEYS), len(fp), PAYLOAD, 0, 0, 0)
     want = bytearray((fixed + fp + table).ljust(4096, b"\0"))
     struct.pack_into("<I", want, 32, zlib.crc32(bytes(want)))  # the header checksum, over the header with it zero
     assert bytes(obj.header) == bytes(want)
@@ -382,7 +382,7 @@ def test_chunk_of_another_layout_is_foreign_and_a_flipped_field_is_caught():
     with pytest.raises(Corrupted, match="layout") as err:
         obj.parse(OTHER)
     assert not err.value.damaged
-    obj.set(7, 48, fix_crc=False)  # "start" changed without the header checksum: caught
+    obj.set(7, 48, fix_crc=False)  # a reserved field changed without the header checksum: caught
     with pytest.raises(Corrupted, match="header checksum"):
         obj.parse()
 

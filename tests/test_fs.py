@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,16 +28,40 @@ import kvbridge
 from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo, ScheduledRequest
 from kvbridge.errors import ConfigError, StoreFull
+from kvbridge.keys import block_keys
 from kvbridge.layout import KVLayout, LayoutFingerprint
 from kvbridge.testing import MiniEngine
 
 WORKER = Path(__file__).with_name("fs_worker.py")
-FIXED = struct.Struct("<8sHHIHHQIII")  # the documented header: magic, version, kind, header len, count, fp len, payload, start, crc, 0
+FIXED = struct.Struct("<8sHHIHHQIII")  # the documented header: magic, version, kind, header len, count, fp len, payload, 0, crc, 0
 ENTRY = struct.Struct("<IH")  # per block: checksum, key length (the key follows)
 
 
 def _tokens(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 32000, n).tolist()
+
+
+def _keys(tokens: list[int]) -> list[bytes]:
+    return block_keys(tokens, 16, namespace="mini")  # MiniEngine's
+
+
+def _chunks(keys: list[bytes], chunk: int = 16) -> list[int]:
+    """The lengths of the chunks fs cuts ``keys`` into."""
+    out, i = [], 0
+    while i < len(keys):
+        end = fs.chunk_end(keys, i, chunk) + 1
+        out.append(end - i)
+        i = end
+    return out
+
+
+def _prompt(n: int, want: Callable[[list[int]], bool], seed: int = 0) -> list[int]:
+    """Tokens of ``n`` blocks (and 3 more) whose chunk lengths satisfy ``want`` (the first such seed from ``seed``)."""
+    while True:
+        tokens = _tokens(n * 16 + 3, seed)
+        if want(_chunks(_keys(tokens))):
+            return tokens
+        seed += 1
 
 
 def _pair(root: Path, *, num_blocks: int = 64, **options: object) -> tuple[MiniEngine, MiniEngine]:
@@ -90,6 +115,21 @@ def _header(path: Path) -> tuple[tuple[int, ...], list[tuple[int, bytes]], bytes
 def _block_offset(path: Path, i: int) -> int:
     fixed = FIXED.unpack_from(path.read_bytes())
     return fixed[3] + i * fixed[6]
+
+
+def _block_of(store: FsStore, key: bytes) -> tuple[Path, int]:
+    """(the object holding ``key``'s block, where that block starts in it)."""
+    obj = _object_of(store, key)
+    pos = [k for _, k in _header(obj)[1]].index(key)
+    return obj, _block_offset(obj, pos)
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x04]))
 
 
 def _run(role: str, root: Path, out: Path, seed: int, *extra: str) -> subprocess.Popen[bytes]:
@@ -164,20 +204,26 @@ def test_one_object_per_chunk_and_one_stat_per_chunk(tmp_path, monkeypatch):
     producer, consumer = _pair(tmp_path, num_blocks=160)
     try:
         tokens = _tokens(64 * 16 + 3, seed=1)
+        chunks = _chunks(_keys(tokens))
+        assert sum(chunks) == 64 and 2 <= len(chunks) <= 12  # 16 blocks on average (crc32 of the key)
         sent = producer.prefill("a", tokens)
-        assert len(_objects(tmp_path)) == 4  # 64 blocks in 16-block chunks
-        assert len(_links(tmp_path)) == 60  # a locator per block; the chunk's last is the object itself
+        assert sorted(len(_header(p)[1]) for p in _objects(tmp_path)) == sorted(chunks)  # one object per chunk
+        assert len(_links(tmp_path)) == 64 - len(chunks)  # a locator per block; a chunk's last is its object
         stats = []
         real = os.stat
         monkeypatch.setattr(fs.os, "stat", lambda p, *a, **k: (stats.append(p), real(p, *a, **k))[1])
         assert _index(consumer).contains_prefix(sent.keys) == 64
-        assert len(stats) == 4, stats
+        assert len(stats) == len(chunks), stats
         stats.clear()
-        assert _index(consumer).contains_prefix(sent.keys[:40] + [b"elsewhere"] * 24) == 40
-        assert len(stats) <= 2 + 2 + 4  # two whole chunks; the third: its ends, then a bisection
+        assert _index(consumer).contains_prefix(sent.keys[:40] + [os.urandom(16) for _ in range(24)]) == 40
+        assert len(stats) <= len(chunks) + 2 + max(chunks).bit_length()  # whole chunks, then a bisection
         stats.clear()
-        assert _index(consumer).contains_prefix([b"nothing"] * 64) == 0
-        assert len(stats) == 2  # a miss: the first chunk's last block, then its first
+        tail = sent.keys[21:]  # a prompt's tail (what a tier of a chain is asked about): the same chunks
+        assert _index(consumer).contains_prefix(tail) == 43 and len(stats) <= len(chunks)
+        stats.clear()
+        miss = [os.urandom(16) for _ in range(64)]
+        assert _index(consumer).contains_prefix(miss) == 0
+        assert len(stats) == (1 if fs.chunk_end(miss, 0, 16) == 0 else 2)  # a miss: its chunk's last block, then its first
         monkeypatch.undo()
         got = consumer.prefill("b", tokens)
         assert len(got.loaded_blocks) == 64 and torch.equal(got.snapshot, sent.snapshot)
@@ -191,17 +237,22 @@ def test_prefix_hit_that_ends_inside_a_chunk(tmp_path):
     blocks, whatever the other prompt went on with."""
     producer, consumer = _pair(tmp_path, num_blocks=128)
     try:
-        tokens = _tokens(40 * 16 + 5, seed=2)
-        sent = producer.prefill("a", tokens)  # chunks 0-15, 16-31 and 32-39
-        inside = tokens[: 36 * 16] + _tokens(20 * 16 + 7, seed=3)  # diverges at block 36, inside the third chunk
+        tokens = _prompt(40, lambda c: len(c) >= 2 and c[-1] >= 6)  # a last chunk of 6 blocks or more
+        keys = _keys(tokens)
+        sent = producer.prefill("a", tokens)
+        d = 40 - _chunks(keys)[-1] + 3  # three blocks into the last chunk
+        inside = tokens[: d * 16] + _tokens(20 * 16 + 7, seed=3)
         got = consumer.prefill("b", inside)
-        assert got.loaded_tokens == 36 * 16 and len(got.loaded_blocks) == 36 and got.failed_blocks == []
-        assert torch.equal(got.snapshot[:, :36], sent.snapshot[:, :36])
-        assert torch.equal(got.snapshot[:, 36:56], consumer.expected(got.keys[36:56]))
-        short = consumer.prefill("c", tokens[: 20 * 16 + 9])  # a shorter prompt, ending inside the second chunk
-        assert short.loaded_tokens == 20 * 16 and torch.equal(short.snapshot[:, :20], sent.snapshot[:, :20])
-        early = consumer.prefill("d", tokens[: 3 * 16] + _tokens(40, seed=4))  # inside the first
-        assert early.loaded_tokens == 3 * 16 and torch.equal(early.snapshot[:, :3], sent.snapshot[:, :3])
+        assert got.loaded_tokens == d * 16 and len(got.loaded_blocks) == d and got.failed_blocks == []
+        assert torch.equal(got.snapshot[:, :d], sent.snapshot[:, :d])
+        assert torch.equal(got.snapshot[:, d : d + 20], consumer.expected(got.keys[d : d + 20]))
+        first = _chunks(keys)[0]
+        if first > 2:  # inside the first chunk too
+            early = consumer.prefill("c", tokens[: (first - 1) * 16] + _tokens(40, seed=4))
+            assert early.loaded_tokens == (first - 1) * 16
+            assert torch.equal(early.snapshot[:, : first - 1], sent.snapshot[:, : first - 1])
+        short = consumer.prefill("d", tokens[: (d - 1) * 16 + 9])  # a shorter prompt, ending inside a chunk
+        assert short.loaded_tokens == (d - 1) * 16 and torch.equal(short.snapshot[:, : d - 1], sent.snapshot[:, : d - 1])
     finally:
         producer.close()
         consumer.close()
@@ -228,13 +279,14 @@ def test_saves_that_start_inside_a_chunk(tmp_path):
     finds all 24 blocks with one stat per chunk."""
     producer, consumer = _pair(tmp_path, num_blocks=64)
     try:
-        tokens = _tokens(24 * 16 + 4, seed=6)
+        tokens = _prompt(24, lambda c: c[0] > 10, seed=6)  # the first chunk goes on past block 10
+        chunks = _chunks(_keys(tokens))
         req = producer.request("a", tokens)
         ids = producer.allocate(25)
         sched, worker = producer.scheduler, producer.worker
         assert sched.lookup(req, 0).num_tokens == 0
         sched.on_allocated(req, ids, 0)
-        for done, step in ((0, 10 * 16), (10 * 16, 14 * 16 + 4)):
+        for done, step in ((0, 10 * 16), (10 * 16, 14 * 16 + 3)):
             producer.compute(ids[: (done + step) // 16], req.block_keys[: (done + step) // 16])
             plan = sched.plan_step([ScheduledRequest("a", tuple(ids), done, step)])
             assert [type(op.target) for op in plan.saves] == [FsSave]
@@ -244,7 +296,7 @@ def test_saves_that_start_inside_a_chunk(tmp_path):
             sched.on_report(worker.poll())
             if done == 0:
                 assert [len(_header(p)[1]) for p in _objects(tmp_path)] == [10]
-        assert sorted(len(_header(p)[1]) for p in _objects(tmp_path)) == [8, 16]  # the 10-block object was replaced
+        assert sorted(len(_header(p)[1]) for p in _objects(tmp_path)) == sorted(chunks)  # the 10-block object was replaced
         assert _index(consumer).contains_prefix(req.block_keys) == 24
         got = consumer.prefill("b", tokens)
         assert len(got.loaded_blocks) == 24 and got.failed_blocks == []
@@ -255,19 +307,33 @@ def test_saves_that_start_inside_a_chunk(tmp_path):
         consumer.close()
 
 
+def test_a_save_whose_chunk_start_is_unknown_skips_that_chunk(tmp_path):
+    """A save that starts inside a chunk whose first blocks it cannot name (FsSave.head None) writes the
+    chunks after it, never an object that would not start where its chunk does."""
+    producer, consumer = _pair(tmp_path, num_blocks=64)
+    try:
+        tokens = _prompt(30, lambda c: len(c) >= 2 and c[0] > 4, seed=12)
+        keys = _keys(tokens)
+        first = _chunks(keys)[0]
+        ids = producer.allocate(30)
+        producer.compute(ids, keys)
+        _store(producer).save(BlockSave("r", tuple(ids[2:]), tuple(keys[2:]), FsSave(None)), producer.layout)
+        assert sorted(len(_header(p)[1]) for p in _objects(tmp_path)) == sorted(_chunks(keys)[1:])
+        assert _index(consumer).contains_prefix(keys) == 0 and _index(consumer).contains_prefix(keys[first:]) == 30 - first
+    finally:
+        producer.close()
+        consumer.close()
+
+
 def test_a_damaged_block_inside_an_object(tmp_path):
     """Block 3 of a 6-block object is damaged: blocks 0-2 load from that very object, 3-5 are recomputed;
     the object is deleted, and rewritten whole by the next producer."""
     producer, consumer = _pair(tmp_path)
     try:
-        tokens = _tokens(6 * 16 + 2, seed=7)
+        tokens = _prompt(6, lambda c: c == [6], seed=7)  # one chunk
         sent = producer.prefill("a", tokens)
         (victim,) = _objects(tmp_path)
-        with open(victim, "r+b") as f:
-            f.seek(_block_offset(victim, 3) + 1000)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x04]))
+        _flip(victim, _block_offset(victim, 3) + 1000)
         got = consumer.prefill("b", tokens)
         assert got.loaded_blocks == got.block_ids[:3]
         assert got.failed_blocks == sorted(got.block_ids[3:6])
@@ -287,13 +353,13 @@ def _rewrite(path: Path, *, fmt: codec.ChunkFormat = fs.FORMAT, fp: LayoutFinger
     """Rewrite an object with consistent checksums, so only the changed field can make it fail."""
     data = path.read_bytes()
     fixed, entries, fp_json = _header(path)
-    kind, header_len, payload, start = fixed[2], fixed[3], fixed[6], fixed[7]
+    kind, header_len, payload = fixed[2], fixed[3], fixed[6]
     blocks = [data[header_len + i * payload : header_len + (i + 1) * payload] for i in range(len(entries))]
     if fill is not None:
         blocks = [bytes([fill]) * payload for _ in blocks]
     fingerprint = fp or LayoutFingerprint.from_json(fp_json)
     sums = [codec.checksum(kind, [b]) for b in blocks]
-    path.write_bytes(fmt.pack([k for _, k in entries], fingerprint, sums, kind, start) + b"".join(blocks))
+    path.write_bytes(fmt.pack([k for _, k in entries], fingerprint, sums, kind) + b"".join(blocks))
 
 
 def _payload_flip(path: Path) -> None:
@@ -330,11 +396,11 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_damaged_or_foreign_object_is_a_failed_block_never_loaded(tmp_path, damage):
     spoil, deleted = DAMAGE[damage]
-    producer, consumer = _pair(tmp_path, chunk_tokens=32)  # two blocks per object
+    producer, consumer = _pair(tmp_path, chunk_tokens=16)  # a block per object: the object of block 2 only
     try:
         tokens = _tokens(4 * 16 + 3, seed=1)
         sent = producer.prefill("a", tokens)
-        victim = _object_of(_store(producer), sent.keys[2])  # the object of blocks 2 and 3
+        victim = _object_of(_store(producer), sent.keys[2])
         spoil(victim)
         got = consumer.prefill("b", tokens)
         assert got.offered_tokens == 4 * 16  # lookup only stats: it cannot know
@@ -355,18 +421,20 @@ def test_damaged_or_foreign_object_is_a_failed_block_never_loaded(tmp_path, dama
 
 
 def test_a_link_to_an_object_without_its_key_is_a_failed_block(tmp_path):
-    producer, consumer = _pair(tmp_path, chunk_tokens=32)
+    producer, consumer = _pair(tmp_path)
     try:
-        tokens = _tokens(4 * 16 + 3, seed=8)
-        sent = producer.prefill("a", tokens)
-        link = Path(_store(producer).path_of(sent.keys[2]))
+        a = _prompt(4, lambda c: c == [4], seed=8)
+        b = _prompt(4, lambda c: c == [4], seed=100)
+        sent, other = producer.prefill("a", a), producer.prefill("b", b)
+        link = Path(_store(producer).path_of(sent.keys[1]))
         assert link.is_symlink()
-        other = os.readlink(_store(producer).path_of(sent.keys[0]))  # the object of blocks 0 and 1
         link.unlink()
-        link.symlink_to(other)
-        got = consumer.prefill("b", tokens)
-        assert got.loaded_blocks == got.block_ids[:2] and got.failed_blocks == sorted(got.block_ids[2:4])
-        assert not link.exists() and _object_of(_store(producer), sent.keys[0]).exists()  # only the bad link goes
+        link.symlink_to(os.readlink(_store(producer).path_of(other.keys[0])))  # to b's object
+        ids = consumer.allocate(3)
+        failed = _store(consumer).load(BlockLoad("r", tuple(ids), tuple(sent.keys[1:4])), consumer.layout)  # starts at block 1
+        assert list(failed) == ids and _store(consumer).stats.corrupt == 1
+        assert not link.exists() and not link.is_symlink() and _object_of(_store(producer), other.keys[0]).exists()  # only the bad link goes
+        assert _object_of(_store(producer), sent.keys[0]).exists()
     finally:
         producer.close()
         consumer.close()
@@ -414,10 +482,8 @@ def test_o_direct_round_trip(tmp_path):
         sent = producer.prefill("a", tokens)
         got = consumer.prefill("b", tokens)
         assert len(got.loaded_blocks) == 20 and torch.equal(got.snapshot, sent.snapshot)
-        victim = _object_of(_store(producer), sent.keys[17])
-        with open(victim, "r+b") as f:
-            f.seek(_block_offset(victim, 1) + 5)
-            f.write(b"\xff\xfe")
+        victim, offset = _block_of(_store(producer), sent.keys[17])
+        _flip(victim, offset + 5)
         bad = consumer.prefill("c", tokens)
         assert bad.loaded_blocks == bad.block_ids[:17] and bad.failed_blocks == sorted(bad.block_ids[17:20])
         assert torch.equal(bad.snapshot[:, :20], consumer.expected(bad.keys))
@@ -454,8 +520,8 @@ def test_keys_cannot_escape_the_directory(tmp_path, key):
         ids = producer.allocate(2)
         producer.compute(ids, [b"first", key])
         store.save(BlockSave("r", tuple(ids), (b"first", key)), producer.layout)
-        assert _objects(root) == [path]
-        assert Path(os.path.realpath(store.path_of(b"first"))) == path
+        assert Path(os.path.realpath(path)) in _objects(root) and len(_objects(root)) <= 2
+        assert all(p.resolve().is_relative_to(root.resolve()) for p in root.rglob("*"))
         assert consumer.scheduler.index.contains_prefix([b"first", key, b"other"]) == 2  # type: ignore[attr-defined]
         dst = consumer.allocate(2)
         assert list(_store(consumer).load(BlockLoad("r", tuple(dst), (b"first", key)), consumer.layout)) == []
@@ -477,14 +543,14 @@ def test_engines_of_other_namespaces_or_ranks_do_not_meet(tmp_path):
 # ---- capacity, full disk, vanished directory ------------------------------------------------------
 def test_capacity_evicts_the_oldest_objects(tmp_path):
     probe = MiniEngine(kvbridge.create_backend("memory", {"name": "fs-probe"}))
-    size = HEADER_BYTES + 2 * probe.layout.num_layers * probe.layout.block_bytes  # an object of two blocks
+    size = HEADER_BYTES + probe.layout.num_layers * probe.layout.block_bytes  # an object of one block
     probe.close()
-    producer, consumer = _pair(tmp_path, capacity_bytes=5 * size, chunk_tokens=32)
+    producer, consumer = _pair(tmp_path, capacity_bytes=10 * size, chunk_tokens=16)
     try:
         old = producer.prefill("old", _tokens(6 * 16, seed=1))
         new = producer.prefill("new", _tokens(6 * 16, seed=2))
-        assert sum(p.stat().st_size for p in _objects(tmp_path)) <= 5 * size
-        assert _store(producer).stats.evictions >= 1
+        assert sum(p.stat().st_size for p in _objects(tmp_path)) <= 10 * size
+        assert _store(producer).stats.evictions >= 2
         got = consumer.prefill("c-new", _tokens(6 * 16, seed=2))
         assert len(got.loaded_blocks) == 6 and torch.equal(got.snapshot, new.snapshot)
         assert consumer.scheduler.index.contains_prefix(old.keys) < 6  # type: ignore[attr-defined]  # the oldest went first
@@ -496,6 +562,21 @@ def test_capacity_evicts_the_oldest_objects(tmp_path):
     finally:
         producer.close()
         consumer.close()
+
+
+def test_scans_remove_links_to_evicted_objects(tmp_path):
+    producer = MiniEngine(kvbridge.create_backend("fs", {"path": str(tmp_path)}), engine_id="p", role="producer")
+    try:
+        sent = producer.prefill("a", _prompt(5, lambda c: c == [5], seed=13))
+        (obj,) = _objects(tmp_path)
+        assert len(_links(tmp_path)) == 4
+        obj.unlink()  # as another process's eviction would
+        store = FsStore(EngineInfo("e", 16, namespace="mini"), FsOptions(path=str(tmp_path), capacity_bytes=1 << 20))
+        assert list(store._scan()) == [] and _links(tmp_path) == []
+        assert _index(producer).contains_prefix(sent.keys) == 0
+        store.close()
+    finally:
+        producer.close()
 
 
 @pytest.fixture
@@ -525,12 +606,13 @@ def test_full_disk_fails_the_save_cleanly(small_tmpfs):
         got = consumer.prefill("c", _tokens(60 * 16, seed=1))  # nothing already stored was lost
         assert len(got.loaded_blocks) == 60 and torch.equal(got.snapshot, first.snapshot)
         partial = consumer.prefill("c2", _tokens(100 * 16, seed=2))  # the chunks that did fit load exactly
-        assert partial.failed_blocks == [] and len(partial.loaded_blocks) >= 16 and len(partial.loaded_blocks) % 16 == 0
+        assert partial.failed_blocks == []
         assert torch.equal(partial.snapshot, consumer.expected(partial.keys))
         store = _store(producer)
-        ids = producer.allocate(60)
+        ids = producer.allocate(120)  # more than the room left, whichever chunks the failed save freed
         with pytest.raises(StoreFull):
-            store.save(BlockSave("third", tuple(ids), tuple(bytes([7, i]) for i in range(60))), producer.layout)
+            store.save(BlockSave("third", tuple(ids), tuple(bytes([7, i]) for i in range(120))), producer.layout)
+        assert not [p for p in small_tmpfs.rglob("*") if p.name.endswith(".tmp")]
     finally:
         producer.close()
         consumer.close()

@@ -59,17 +59,20 @@ def flip_payload(locator: str, key: bytes) -> None:
     Path(obj).write_bytes(bytes(data))
 
 
-def forge(locator: str, payload_from: str) -> None:
-    """Give the object at ``locator`` another object's blocks under correct checksums: undetectable."""
-    obj, source = os.path.realpath(locator), os.path.realpath(payload_from)
-    fixed, entries, fp = _blocks(obj)
-    src_fixed, src_entries, _ = _blocks(source)
-    assert len(entries) == len(src_entries) and fixed[6] == src_fixed[6]
-    data = Path(source).read_bytes()
-    blocks = [data[src_fixed[3] + i * fixed[6] : src_fixed[3] + (i + 1) * fixed[6]] for i in range(len(entries))]
-    sums = [codec.checksum(fixed[2], [b]) for b in blocks]
-    header = FORMAT.pack([k for _, k in entries], LayoutFingerprint.from_json(fp), sums, fixed[2], fixed[7])
-    Path(obj).write_bytes(header + b"".join(blocks))
+def forge(blocks: list[tuple[str, bytes]], payload_from: list[tuple[str, bytes]]) -> None:
+    """Give a prompt's stored blocks (``in_block_order``) another prompt's KV, block for block, under correct
+    checksums: undetectable."""
+    source = {i: block_extent(*b) for i, b in enumerate(payload_from)}
+    index = {key: i for i, (_, key) in enumerate(blocks)}
+    for obj in dict.fromkeys(os.path.realpath(f) for f, _ in blocks):
+        fixed, entries, fp = _blocks(obj)
+        data = bytearray(Path(obj).read_bytes())
+        for pos, (_, key) in enumerate(entries):
+            src, off, n = source[index[key]]
+            data[fixed[3] + pos * n : fixed[3] + (pos + 1) * n] = Path(src).read_bytes()[off : off + n]
+        sums = [codec.checksum(fixed[2], [data[fixed[3] + i * fixed[6] : fixed[3] + (i + 1) * fixed[6]]]) for i in range(len(entries))]
+        header = FORMAT.pack([k for _, k in entries], LayoutFingerprint.from_json(fp), sums, fixed[2])
+        Path(obj).write_bytes(header + bytes(data[fixed[3] :]))
 
 
 def in_block_order(files: list[str], prompt: list[int], namespace: str) -> list[tuple[str, bytes]]:
@@ -126,7 +129,7 @@ def test_fs_pd_hand_off(engine: Any, baseline: dict, prompts: dict, tmp_path: Pa
     producer, start_consumer = run_pd(engine, baseline, prompts, "FSConnector", extra, requests)
     flip_payload(*producer["B"]["files"][2])  # B: block 2 damaged -> 2 blocks load, 4 are recomputed
     files_b = [f for f, _ in producer["B"]["files"]]
-    forge(producer["C"]["files"][-1][0], producer["A"]["files"][-1][0])  # C: A's KV, valid checksums
+    forge(producer["C"]["files"], producer["A"]["files"])  # C: A's KV, valid checksums
     consumer = start_consumer()
 
     assert_same_output(consumer["A"], baseline["A"])
@@ -152,7 +155,7 @@ def test_chain_pd_hand_off(engine: Any, baseline: dict, prompts: dict, tmp_path:
     ]
     producer, start_consumer = run_pd(engine, baseline, prompts, "kvbridge.ChainConnector", extra, requests)
     flip_payload(*producer["B"]["files"][0])  # B: its first block damaged -> nothing loads, all recomputed
-    forge(producer["C"]["files"][-1][0], producer["A"]["files"][-1][0])
+    forge(producer["C"]["files"], producer["A"]["files"])
     consumer = start_consumer()
 
     assert_same_output(consumer["A"], baseline["A"])
