@@ -175,7 +175,10 @@ def ends_chunk(key: bytes, chunk: int) -> bool:
 def chunk_end(keys: Sequence[bytes], i: int, chunk: int) -> int:
     """The index of the last block of the chunk holding ``keys[i]`` (the last key if its chunk goes on)."""
     last = len(keys) - 1
-    while i < last and not ends_chunk(keys[i], chunk):
+    if chunk == 1:
+        return min(i, last)
+    crc = zlib.crc32  # (inline: this runs once per key of every lookup)
+    while i < last and crc(keys[i]) % chunk:
         i += 1
     return i
 
@@ -307,8 +310,8 @@ class _Tree:
 
     def path_of(self, key: bytes) -> str:
         """The locator of ``key``: its chunk's object (the chunk's last block), or a link to it."""
-        name = object_name(key)
-        return os.path.join(self.dir, name[:2], name)
+        name = key.hex() if 0 < len(key) <= _MAX_HEX_KEY // 2 else object_name(key)
+        return f"{self.dir}{os.sep}{name[:2]}{os.sep}{name}"
 
 
 def _remember(book: collections.OrderedDict[Any, Any], key: Any, value: Any) -> None:
