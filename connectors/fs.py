@@ -821,6 +821,22 @@ class FsStore(_Tree, StoreIO):
             raise StoreFull(f"fs store {self.root}: no space for {o.path} ({exc.strerror})") from exc
         raise exc
 
+    def locate(self, key: bytes) -> tuple[str, int, int] | None:
+        """Where ``key``'s block is stored: ``(object path, offset, length)`` of its bytes, or ``None`` (not
+        stored, not readable, or no KV attached yet). For tools and fault injection; loads do not use it."""
+        if self._views is None:
+            return None
+        path = self.path_of(key)
+        try:
+            fd, chunk = self._open(path, self._views[0])
+        except (OSError, Corrupted):
+            return None
+        try:
+            pos = chunk.keys.index(key) if key in chunk.keys else -1
+        finally:
+            os.close(fd)
+        return None if pos < 0 else (os.path.realpath(path), chunk.offset(pos), chunk.payload)
+
     # -- bad objects -------------------------------------------------------------------------------
     def _reject(self, path: str, fd: int, bad: Corrupted, *, whole: bool = True) -> None:
         """Count and log a failed object; delete it if damaged (``whole=False``: only the link that led to it,

@@ -348,6 +348,25 @@ def test_a_damaged_block_inside_an_object(tmp_path):
         consumer.close()
 
 
+def test_locate_names_the_bytes_of_a_block(tmp_path):
+    """``locate`` (for tools and fault injection): the object, offset and length of one block's bytes; flipping
+    the last of them fails that block and the ones after it, never those before."""
+    producer, consumer = _pair(tmp_path)
+    try:
+        tokens = _prompt(4, lambda c: c == [4], seed=14)
+        sent = producer.prefill("a", tokens)
+        store = _store(producer)
+        path, offset, length = store.locate(sent.keys[1])  # type: ignore[misc]
+        assert Path(path) == _object_of(store, sent.keys[1]) and length == 4 * 2048 and offset == HEADER_BYTES + length
+        assert store.locate(b"never stored") is None
+        _flip(Path(path), offset + length - 1)
+        got = consumer.prefill("b", tokens)
+        assert got.loaded_blocks == got.block_ids[:1] and got.block_ids[1] in got.failed_blocks
+    finally:
+        producer.close()
+        consumer.close()
+
+
 # ---- damaged and foreign objects -----------------------------------------------------------------
 def _rewrite(path: Path, *, fmt: codec.ChunkFormat = fs.FORMAT, fp: LayoutFingerprint | None = None, fill: int | None = None) -> None:
     """Rewrite an object with consistent checksums, so only the changed field can make it fail."""
