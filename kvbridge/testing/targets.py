@@ -220,7 +220,20 @@ def _fs(tmp: Path) -> Target:
     root = tmp / "fs-store"
 
     def corrupt(p: MiniEngine, c: MiniEngine, keys: Sequence[bytes]) -> int:
-        return _flip_files([_io(p).path_of(key) for key in keys])
+        """Invert the last byte of each block's own bytes, inside whichever chunk object holds it."""
+        damaged = 0
+        for key in keys:
+            where = _io(p).locate(key)
+            if where is None:
+                continue
+            path, offset, length = where
+            with open(path, "r+b") as f:
+                f.seek(offset + length - 1)
+                byte = f.read(1)
+                f.seek(offset + length - 1)
+                f.write(bytes([byte[0] ^ 0xFF]))
+            damaged += 1
+        return damaged
 
     def cleanup() -> None:
         if root.is_file():
