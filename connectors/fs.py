@@ -86,6 +86,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import threading
 import time
 import zlib
@@ -489,9 +490,13 @@ class FsStore(_Tree, StoreIO):
 
     def _open(self, path: str, layout: KVLayout) -> tuple[int, codec.Chunk]:
         """Open the object at ``path`` and check its header; :class:`Corrupted` (fd closed) if it fails."""
-        fd = os.open(path, os.O_RDONLY | self._direct)
+        # O_NONBLOCK: something else than a file at a locator (a FIFO) must not hang the load
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | self._direct)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise Corrupted("not a regular file", damaged=False)
+            size = st.st_size
             buf = self._buffer(_ALIGN)
             got = _read_at(fd, buf[:_ALIGN], 0)
             length = FORMAT.header_bytes(buf[:got], size)
@@ -847,10 +852,12 @@ class FsStore(_Tree, StoreIO):
             return
         with contextlib.suppress(OSError):
             link = os.path.islink(path)
-            if whole:  # delete only the file we read, not one a writer has just put in its place
-                real = os.path.realpath(path)
-                if os.path.samestat(os.fstat(fd), os.stat(real)):
-                    os.unlink(real)
+            real = os.path.realpath(path)
+            ours = os.path.commonpath([real, os.path.realpath(self.root)]) == os.path.realpath(self.root)
+            # delete only the file we read (not one a writer has just put in its place), and only in the store:
+            # a link planted to a file elsewhere costs that link, never that file
+            if whole and ours and os.path.samestat(os.fstat(fd), os.stat(real)):
+                os.unlink(real)
             if link:
                 os.unlink(path)
 
@@ -900,8 +907,9 @@ class FsStore(_Tree, StoreIO):
                 continue
             for entry in entries:
                 try:
-                    if entry.is_symlink():
-                        if not os.path.exists(entry.path):
+                    if entry.is_symlink():  # a locator: gone with its object, or a writer's that died
+                        old = entry.name.startswith(".") and now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_S
+                        if old or not os.path.exists(entry.path):
                             os.unlink(entry.path)
                         continue
                     if entry.is_dir():

@@ -459,6 +459,38 @@ def test_a_link_to_an_object_without_its_key_is_a_failed_block(tmp_path):
         consumer.close()
 
 
+def test_what_a_locator_must_not_make_us_do(tmp_path):
+    """A link planted to a file outside the store is not loadable, and that file is never deleted (only the
+    link goes); a FIFO at a locator does not hang the load; a writer's leftover temporary link is swept."""
+    producer, consumer = _pair(tmp_path / "store")
+    try:
+        tokens = _tokens(2 * 16 + 1, seed=15)
+        keys = _keys(tokens)
+        outside = tmp_path / "precious"
+        outside.write_bytes(b"not a kvbridge object" * 300)
+        first = Path(_store(consumer).path_of(keys[0]))
+        first.parent.mkdir(parents=True)
+        first.symlink_to(outside)
+        ids = consumer.allocate(2)
+        assert list(_store(consumer).load(BlockLoad("r", tuple(ids), tuple(keys[:2])), consumer.layout)) == ids
+        assert outside.exists() and not first.is_symlink()
+        os.mkfifo(first)
+        t0 = time.monotonic()
+        assert list(_store(consumer).load(BlockLoad("r", tuple(ids), tuple(keys[:2])), consumer.layout)) == ids
+        assert time.monotonic() - t0 < 5 and first.exists()  # foreign: left alone
+        first.unlink()
+        stale = first.parent / ".stale.1.abcd.tmp"
+        stale.symlink_to(outside)
+        os.utime(stale, (1, 1), follow_symlinks=False)
+        store = FsStore(EngineInfo("e", 16, namespace="mini"), FsOptions(path=str(tmp_path / "store"), capacity_bytes=1 << 30))
+        list(store._scan())
+        assert not stale.is_symlink() and outside.exists()
+        store.close()
+    finally:
+        producer.close()
+        consumer.close()
+
+
 def test_version_1_objects_are_misses(tmp_path):
     """Objects of the one-file-per-block format (v1) where that format kept them: never looked at, never an
     error; eviction removes them like any object."""
