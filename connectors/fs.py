@@ -25,9 +25,13 @@ following any locator reaches an object holding that block and every block of it
 
 A save that starts inside a chunk (the next step of a chunked prefill) reads the chunk's first blocks
 back from their object (checked) and writes the chunk again, whole up to where it has blocks. Which
-blocks those are, the scheduler side tells the worker (:class:`FsSave`, in ``BlockSave.target``);
-where it cannot know (a tier of a chain that saves after another tier's hit), the rest of that chunk
-is not written.
+blocks those are, the scheduler side tells the worker (:class:`FsSave`, in ``BlockSave.target``):
+after the request's previous save, or where its lookup's hit ended. Where they are not in the store
+(a tier of a chain whose hit ended inside a chunk another tier served), the rest of that chunk is not
+written. One case it cannot see: a chain's tier asked about a prompt's tail (``keys[pos:]``) that
+holds none of it takes that tail for a whole prompt, so the request's next save there may start an
+object inside a chunk; a later lookup of the whole prompt by another engine may then offer blocks of
+that chunk this store lacks — a failed load, recomputed, never wrong bytes.
 
 **Object format**: :data:`kvbridge.codec.FS` (version 2; :mod:`kvbridge.codec` has the byte layout)
 — a header (magic, version, checksum kind, the layout fingerprint, and per block its key and
