@@ -93,11 +93,12 @@ class _FakeHandler(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def proxy_for() -> Iterator[Any]:
+def started() -> Iterator[Any]:
+    """``start(*make_server args) -> port``: a proxy serving on a thread, shut down after the test."""
     servers: list[Any] = []
 
-    def start(prefill: str | list[str], decode: str, timeout: float = 5.0) -> int:
-        srv = make_server(prefill if isinstance(prefill, list) else [prefill], [decode], "127.0.0.1:0", timeout)
+    def start(*args: Any, **kwargs: Any) -> int:
+        srv = make_server(*args, **kwargs)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
         return int(srv.server_address[1])
@@ -106,6 +107,14 @@ def proxy_for() -> Iterator[Any]:
     for srv in servers:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.fixture
+def proxy_for(started: Any) -> Any:
+    def start(prefill: str | list[str], decode: str, timeout: float = 5.0) -> int:
+        return int(started(prefill if isinstance(prefill, list) else [prefill], [decode], "127.0.0.1:0", timeout))
+
+    return start
 
 
 def post(port: int, path: str, body: dict) -> tuple[int, bytes, http.client.HTTPResponse]:
@@ -276,19 +285,11 @@ def test_listen_on_a_port_in_use_is_a_named_error() -> None:
 # ---- routing -------------------------------------------------------------------------------------------
 
 @pytest.fixture
-def replicas_proxy() -> Iterator[Any]:
-    servers: list[Any] = []
-
+def replicas_proxy(started: Any) -> Any:
     def start(urls: list[str], policy: str, poll_s: float = 0.05) -> int:
-        srv = make_server([], [], "127.0.0.1:0", 5.0, replicas=urls, policy=policy, poll_s=poll_s)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-        return int(srv.server_address[1])
+        return int(started([], [], "127.0.0.1:0", 5.0, replicas=urls, policy=policy, poll_s=poll_s))
 
-    yield start
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
+    return start
 
 
 def _ask(port: int, prompt: str) -> tuple[str, str]:
