@@ -141,10 +141,10 @@ class Peer:
         return self.proc.returncode
 
 
-def _consumer(tmp: Path, engine_id: str = "consumer", **options: Any) -> MiniEngine:
+def _consumer(tmp: Path, engine_id: str = "consumer", num_blocks: int = 128, **options: Any) -> MiniEngine:
     options.setdefault("lane", "two-sided")  # this suite covers the chunked tag path; one-sided: test_ucx_onesided.py
     opts = UcxOptions(registry_dir=str(tmp / "registry-c"), timeout_s=TIMEOUT_S, chunk_bytes=1 << 20, **options)
-    return MiniEngine(UcxBackend(opts), engine_id=engine_id, role="consumer", num_blocks=128, seed=2, **GEOMETRY)
+    return MiniEngine(UcxBackend(opts), engine_id=engine_id, role="consumer", num_blocks=num_blocks, seed=2, **GEOMETRY)
 
 
 def _load_only(engine: MiniEngine, rid: str, tokens: list[int], params: Any, timeout: float = 20.0) -> tuple[list[int], WorkerReport, float]:
@@ -547,7 +547,7 @@ def test_soak_concurrent_pulls_bit_exact_and_flat(tmp_path: Path, capsys: pytest
     threads_before = {t.name for t in threading.enumerate()}
     children_before = _children()
     producer = Peer("producer", tmp_path / "soak", "--engine-id", "soak", "--num-blocks", "512")
-    consumer = _consumer(tmp_path, engine_id="soak-c")
+    consumer = _consumer(tmp_path, engine_id="soak-c", num_blocks=6 * 25)  # a round may need 6 x 400 tokens
     rng = np.random.default_rng(0)
     requests = blocks = errors = rounds = 0
     rss0 = fds0 = prss0 = pfds0 = 0.0
