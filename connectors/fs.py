@@ -104,7 +104,7 @@ from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, Corrupted, LayoutError, StoreFull
 from kvbridge.layout import KVLayout, block_words
-from kvbridge.options import require
+from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 
@@ -946,6 +946,7 @@ class FsBackend(StoreBackend):
 
     def __init__(self, options: FsOptions):
         codec.require_checksum(options.checksum, "fs")
+        writable_directory(options.path, "fs option 'path'")
         if options.o_direct:
             probe_o_direct(options.path)
         super().__init__(options)

@@ -64,7 +64,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -82,7 +81,7 @@ from kvbridge.errors import (
     TransferTimeout,
 )
 from kvbridge.layout import KVLayout, block_words
-from kvbridge.options import require
+from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 
@@ -202,7 +201,6 @@ class _Manager:
         self.options = options
         disk = {}
         if options.local_disk:
-            Path(options.local_disk).mkdir(parents=True, exist_ok=True)
             disk = {"local_disk": os.path.join(options.local_disk, ""), "max_local_disk_size": options.local_disk_bytes / 2**30}
         config = lib.Config.from_defaults(
             local_cpu=options.cpu_cache,
@@ -524,6 +522,8 @@ class LMCacheBackend(StoreBackend):
 
     def __init__(self, options: LMCacheOptions):
         codec.require_checksum(options.checksum, "lmcache")
+        if options.local_disk:
+            writable_directory(options.local_disk, "lmcache option 'local_disk'")
         super().__init__(options)
 
     def open_index(self, engine: EngineInfo) -> LMCacheIndex:

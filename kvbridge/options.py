@@ -10,6 +10,9 @@ missing required one, or a value of the wrong type. Range checks live in each da
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
+import tempfile
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -117,4 +120,24 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-__all__ = ["parse_options", "require"]
+def writable_directory(path: str, what: str, *, mode: int = 0o777) -> str:
+    """Make sure ``path`` is a directory this process can create files in (made if missing); return its
+    absolute path. A regular file, a folder without write permission or a pseudo filesystem (``/proc``,
+    ``/sys``) raises :class:`ConfigError` naming ``what`` (e.g. ``"fs option 'path'"``) and the cause.
+    ``mode``: of the folders it makes (less the umask).
+    The check creates and removes one empty file: ``os.access`` says yes to root on a read-only mount."""
+    full = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(full, mode=mode, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".kvbridge-probe-", dir=full)
+        os.close(fd)
+        os.unlink(probe)
+    except FileExistsError:
+        raise ConfigError(f"{what}: {full} exists and is not a directory") from None
+    except OSError as exc:
+        reason = "is not a directory" if exc.errno == errno.ENOTDIR else f"is not writable ({exc.strerror})"
+        raise ConfigError(f"{what}: {full} {reason}; name a writable directory") from None
+    return full
+
+
+__all__ = ["parse_options", "require", "writable_directory"]

@@ -18,6 +18,12 @@ FIELDS = {f.name for f in dataclasses.fields(Record)}
 MOVES = ("save", "load", "transfer", "recompute")
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """Runs without --json save into the working directory: a test's own, never the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def bench_json(tmp_path_factory) -> list[dict]:
     path = tmp_path_factory.mktemp("bench") / "bench.json"
@@ -120,6 +126,29 @@ def test_bench_bad_input_is_one_line_and_exit_2_before_measuring(argv, message, 
     assert rc == 2
     out = capsys.readouterr()
     assert message in out.err and "Traceback" not in out.err and "GB/s" not in out.out
+
+
+def test_results_are_saved_by_default_to_a_named_file(tmp_path, capsys):
+    args = ["bench", "--backends", "memory", "--tokens", "32", "--reps", "1", "--no-recompute", "--ops", "load"]
+    assert main(args) == 0
+    saved = list(tmp_path.glob("kvbridge-bench-*.json"))
+    assert len(saved) == 1, saved
+    records = json.loads(saved[0].read_text())
+    assert {r["backend"] for r in records} == {"memory"} and all(r["gbps"] > 0 for r in records)
+    assert f"to {saved[0].name} (kvbridge simulate --from-bench" in capsys.readouterr().out
+    saved[0].unlink()
+    assert main([*args, "--no-save"]) == 0
+    assert not list(tmp_path.glob("kvbridge-bench-*.json"))
+
+
+def test_quick_keeps_a_backends_quick_baselines_and_one_point_for_a_peer():
+    from kvbridge.bench.cases import BENCH, Measurer
+
+    ucx = BENCH["ucx"]
+    assert ucx.quick and set(ucx.quick) < set(ucx.baselines) and ucx.chosen(True) == ucx.quick
+    assert ucx.chosen(False) == ucx.baselines and BENCH["fs"].chosen(True) == BENCH["fs"].baselines
+    records = Measurer(1, ops=("load",), quick=True).measure("memory", [Point(SHAPES["tiny"], 32), Point(SHAPES["tiny"], 64)])
+    assert sorted(r.tokens for r in records) == [32, 64]  # a store keeps every point
 
 
 def test_simulate_reads_bench_json(bench_json, tmp_path, capsys):

@@ -90,3 +90,31 @@ def test_options_that_are_not_a_mapping_are_a_config_error(options):
 def test_a_backend_name_that_is_not_a_string_is_named(name):
     with pytest.raises(kvbridge.UnknownBackend, match="string"):
         kvbridge.create_backend(name, {})
+
+
+def _directory_options(backend: str, folder: str) -> dict:
+    return {"fs": {"path": folder}, "ucx": {"registry_dir": folder},
+            "lmcache": {"local_disk": folder, "local_disk_bytes": 1 << 20}}[backend]
+
+
+@pytest.mark.parametrize("backend", ["fs", "ucx", "lmcache"])
+def test_a_directory_option_that_cannot_hold_files_is_refused_at_start_up(backend, tmp_path):
+    """A regular file, a path under one, and /proc are refused when the backend is made, naming the
+    option, instead of an engine that runs with a cache storing nothing (a log line per save)."""
+    pytest.importorskip({"fs": "numpy", "ucx": "ucxx", "lmcache": "lmcache"}[backend])
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"not a folder")
+    cases = {str(a_file): "not a directory", str(a_file / "under"): "not a directory",
+             "/proc/kvbridge-cache": "not writable"}
+    for folder, why in cases.items():
+        with pytest.raises(ConfigError, match=f"option '.*': {folder} .*{why}"):
+            kvbridge.create_backend(backend, _directory_options(backend, folder))
+    assert a_file.read_bytes() == b"not a folder"  # refused, and nothing was touched
+
+
+@pytest.mark.parametrize("backend", ["fs", "ucx"])
+def test_a_missing_directory_is_made_at_start_up(backend, tmp_path):
+    pytest.importorskip({"fs": "numpy", "ucx": "ucxx"}[backend])
+    folder = tmp_path / "new" / "cache"
+    kvbridge.create_backend(backend, _directory_options(backend, str(folder)))
+    assert folder.is_dir() and list(folder.iterdir()) == []  # the probe file is gone

@@ -32,6 +32,7 @@ from kvbridge.connectors.ucx.worker import UcxWorker
 
 from kvbridge import native
 from kvbridge.contract import Backend, EngineInfo
+from kvbridge.options import writable_directory
 
 
 class UcxBackend(Backend):
@@ -42,6 +43,7 @@ class UcxBackend(Backend):
     options_type: ClassVar[type[Any]] = UcxOptions
 
     def __init__(self, options: UcxOptions):
+        writable_directory(str(options.registry), "ucx option 'registry_dir'", mode=0o700)
         super().__init__(options)
         self.stats = UcxStats()
 

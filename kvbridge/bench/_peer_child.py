@@ -42,6 +42,8 @@ def _read_spec() -> dict[str, Any]:
         line = sys.stdin.readline()
         if not line:
             raise SystemExit("no spec on stdin")
+        if line.strip() == "quit":  # the parent gave up (the other side failed): leave now, not at its kill
+            raise SystemExit(0)
         if line.startswith("@@"):
             return dict(json.loads(line[2:]))
 

@@ -156,7 +156,10 @@ def ucxx_raw(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
         import ucxx  # noqa: F401
     except ImportError as exc:
         raise Unavailable(f"ucxx not installed ({exc}); pip install 'kvbridge[ucx]'") from exc
-    environ = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    # ucxx as its users run it, by default: not the Python-future mode kvbridge's runtime sets for itself
+    # (inherited, it made this script hang at exit until the timeout, 120 s per size)
+    environ = {k: v for k, v in os.environ.items() if k != "UCXPY_ENABLE_PYTHON_FUTURE"}
+    environ["UCX_WARN_UNUSED_ENV_VARS"] = "n"
     try:
         out = subprocess.run(
             [sys.executable, "-c", _UCXX_SCRIPT, str(nbytes), str(reps)],

@@ -67,6 +67,10 @@ class BackendBench:
 
     baselines: tuple[str, ...] = ("memcpy",)
     target: Callable[[Path, Point], Target] | None = None  # default: kvbridge.testing.targets.target_for
+    quick: tuple[str, ...] | None = None  # the baselines of a --quick run (default: all of them)
+
+    def chosen(self, quick: bool) -> tuple[str, ...]:
+        return self.quick if quick and self.quick is not None else self.baselines
 
 
 def _cpu(tmp: Path, point: Point) -> Target:
@@ -81,7 +85,8 @@ BENCH: dict[str, BackendBench] = {
     "fs": BackendBench(("file",)),
     # ucxx-wa: the medium the two-sided path rides (kvbridge/bench/ucx_baselines.py); UCX_PEERS: raw cma and ucp
     # GET, NIXL and Mooncake reading the same request (kvbridge/bench/peers.py)
-    "ucx": BackendBench(("ucxx-wa", "ucxx", "tcp", *UCX_PEERS)),
+    # --quick keeps the medium, the raw memory floor and the peer a user would pick (~6 s of the ~13 s per point)
+    "ucx": BackendBench(("ucxx-wa", "ucxx", "tcp", *UCX_PEERS), quick=("ucxx-wa", "cma", "nixl:sm")),
 }
 DEFAULT_BENCH = BackendBench()
 
@@ -378,11 +383,12 @@ def count_cases(names: Sequence[str], points: Sequence[Point], ops: Sequence[str
 class Measurer:
     """Runs the cases of each backend; baselines are measured once per size, op and medium in this run."""
 
-    def __init__(self, reps: int, progress: Progress | None = None, ops: Sequence[str] = OPS):
+    def __init__(self, reps: int, progress: Progress | None = None, ops: Sequence[str] = OPS, *, quick: bool = False):
         unknown = sorted(set(ops) - set(OPS))
         if unknown:
             raise ValueError(f"unknown op(s) {unknown}; known: {list(OPS)}")
         self.reps = reps
+        self.quick = quick  # BackendBench.quick's baselines only
         self.progress = progress or Progress(0)
         self.ops = tuple(ops)
         self._base: dict[tuple[Any, ...], Timing | str] = {}
@@ -470,8 +476,10 @@ class Measurer:
         problem = registry.check(name)
         if problem:
             self.progress.step(f"{name}: not available")
-            return _not_measured(name, "-", points[0], spec.baselines, problem)
+            return _not_measured(name, "-", points[0], spec.chosen(self.quick), problem)
         records: list[Record] = []
+        if self.quick and getattr(registry.get(name), "kind", "store") == "peer":
+            points = points[-1:]  # a peer's point costs seconds of child processes: --quick measures one
         for point in points:
             records += self._point(name, spec, point)
         for point in sched_points(points) if "sched_step" in self.ops else ():
@@ -507,12 +515,12 @@ class Measurer:
                 for op, ours, note in timed:
                     if op == "save_stall":
                         stall = ours if isinstance(ours, StallTiming) else None
-                        records += self._stall_records(name, point, stall, spec.baselines, env, note)
+                        records += self._stall_records(name, point, stall, spec.chosen(self.quick), env, note)
                     else:
                         plain = ours if isinstance(ours, Timing) else None
-                        records += self._records(name, op, point, plain, spec.baselines, env, note)
+                        records += self._records(name, op, point, plain, spec.chosen(self.quick), env, note)
         except Exception as exc:  # noqa: BLE001 - the backend would not start
-            records += _not_measured(name, "-", point, spec.baselines, f"{type(exc).__name__}: {exc}")
+            records += _not_measured(name, "-", point, spec.chosen(self.quick), f"{type(exc).__name__}: {exc}")
         return records
 
     def _time(self, op: str, pair: Pair, peer: bool) -> Timing | StallTiming:

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import TextIO
 
@@ -33,7 +34,7 @@ DEFAULT_MATRIX = (
     Point(_8B, 64, requests=4),
     Point(_70B, 256),
 )
-QUICK_MATRIX = (Point(_8B, 64), Point(_8B, 256), Point(_8B, 64, requests=4))
+QUICK_MATRIX = (Point(_8B, 64), Point(_8B, 256))  # with fewer baselines (BackendBench.quick): < 20 s here
 
 
 def _ints(text: str) -> list[int]:
@@ -80,7 +81,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tps", type=float, default=10_000.0,
                         help="prefill throughput (tokens/s) of the real model, for transfer vs recompute (default 10000)")  # fmt: skip
     parser.add_argument("--no-recompute", action="store_true", help="skip the transfer vs recompute section")
-    parser.add_argument("--json", metavar="PATH", type=_output, help="write every record as a JSON list")
+    parser.add_argument("--json", metavar="PATH", type=_output,
+                        help="where every record goes, as a JSON list (the input of `kvbridge simulate --from-bench`); "
+                             "default ./kvbridge-bench-<date>-<time>.json (the temp directory where . is not writable)")
+    parser.add_argument("--no-save", action="store_true", help="print the tables only; write no JSON")
     parser.add_argument("--plot", metavar="PATH", type=_output, help="write a PNG of GB/s vs transfer size (needs matplotlib)")
     parser.add_argument("--log", metavar="PATH", type=_output, default=None,
                         help="where the measured systems' own output goes (LMCache's log lines, UCX's errors, child "
@@ -124,7 +128,7 @@ def measure(args: argparse.Namespace) -> list[Record]:
     with third_party_output(log_path) as ours:
         bar = ProgressBar(ours)
         progress = Progress(count_cases(names, points, ops) + (0 if args.no_recompute else 1), bar)
-        measurer = Measurer(reps, progress, ops)
+        measurer = Measurer(reps, progress, ops, quick=args.quick)
         try:
             for name in names:
                 records += measurer.measure(name, points)
@@ -165,6 +169,13 @@ def third_party_output(path: str) -> Iterator[TextIO]:
             ours.close()
 
 
+def default_results_path() -> str:
+    """``./kvbridge-bench-<date>-<time>.json``, or the same name in the temp directory where ``.`` is not
+    writable: a run's results are never lost to a missing option."""
+    name = time.strftime("kvbridge-bench-%Y%m%d-%H%M%S.json")
+    return name if os.access(".", os.W_OK) else os.path.join(tempfile.gettempdir(), name)
+
+
 def _count_lines(path: str) -> int:
     try:
         with open(path, "rb") as f:
@@ -193,10 +204,11 @@ def run(args: argparse.Namespace) -> int:
         print(rc)
     if summary(records):
         print("\n" + summary(records))
-    if args.json:
-        with open(args.json, "w") as f:
+    path = None if args.no_save else (args.json or default_results_path())
+    if path:
+        with open(path, "w") as f:
             json.dump([r.as_dict() for r in records], f, indent=1)
-        print(f"\nwrote {len(records)} records to {args.json}")
+        print(f"\nwrote {len(records)} records to {path} (kvbridge simulate --from-bench {path} replays them)")
     if args.plot:
         problem = plot(records, args.plot)
         print(f"\n{problem}" if problem else f"\nwrote {args.plot}", file=sys.stderr if problem else sys.stdout)
