@@ -265,6 +265,38 @@ def test_release_before_the_plan_is_remembered(tmp_path: Path) -> None:
         consumer.close()
 
 
+@pytest.mark.parametrize("how", ["cached here", "ended unscheduled", "ended before its pull"])
+def test_a_handoff_the_consumer_does_not_pull_is_released_at_once(tmp_path: Path, how: str) -> None:
+    """The consumer's cache already covers the prompt, or the request ends before it is scheduled or
+    before its pull starts: its producer frees the blocks now, not at the lease's end (480 s of a vLLM
+    producer stepping while it holds them) — and not only if the consumer engine steps again."""
+    options = UcxOptions(registry_dir=str(tmp_path / "reg"))
+    backend = UcxBackend(options)
+    producer = MiniEngine(backend, engine_id="p", role="producer", seed=1)
+    consumer = MiniEngine(UcxBackend(options), engine_id="c", role="consumer", seed=2)
+    try:
+        tokens = _tokens(4 * 16 + 2, seed=61)
+        sent = producer.prefill("r", tokens)
+        assert producer.held
+        req = consumer.request("r-c", tokens, sent.finish.transfer_params)
+        ids = consumer.allocate(5)
+        if how == "cached here":  # the engine's own prefix cache computed every full block
+            assert consumer.scheduler.lookup(req, 4 * 16).num_tokens == 0
+            consumer.scheduler.on_allocated(req, ids, 0)
+        else:
+            assert consumer.scheduler.lookup(req, 0).num_tokens == 4 * 16
+            if how == "ended before its pull":
+                consumer.scheduler.on_allocated(req, ids, 4 * 16)
+        assert not consumer.scheduler.on_finished(req, ids).delay_free
+        producer.wait_for(lambda _r: not producer.held, timeout=5)  # no consumer step in between
+        assert "r" in producer.freed_late and backend.stats.expired_leases == 0
+        assert consumer.scheduler.stats.unpulled_handoffs == 1
+        assert consumer.worker.poll() == WorkerReport()  # nothing was loaded, nothing reported
+    finally:
+        producer.close()
+        consumer.close()
+
+
 def test_worker_is_a_ucx_worker(tmp_path: Path) -> None:
     engine = MiniEngine(UcxBackend(UcxOptions(registry_dir=str(tmp_path))), engine_id="w", role="both")
     try:

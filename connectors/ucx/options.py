@@ -79,6 +79,7 @@ class UcxStats(TransferStats):
     releases: int = 0
     expired_leases: int = 0
     refused_handoffs: int = 0  # consumer: transfer params it could not use (expired, malformed, altered)
+    unpulled_handoffs: int = 0  # consumer: hand-offs released without a pull (all cached here, ended first)
 
 
 __all__ = ["UcxOptions", "UcxStats"]

@@ -3,7 +3,8 @@ holds finished prompts' blocks for a consumer and says where to pull them from.
 
 The load's life (planned, in flight, failed and never offered again, held at the request's end while a
 pull still writes its blocks) is the core's :class:`~kvbridge.lifecycle.LoadBook`; what is ucx's own is
-admitting params, the hand-off (grants, leases) and the :class:`UcxPlan` to the workers.
+admitting params, the hand-off (grants, leases) and the :class:`UcxPlan` to the workers. A hand-off the
+consumer decides not to pull is released from here (:mod:`.releaser`), so its producer frees the blocks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from kvbridge.connectors.ucx import addresses, onesided
 from kvbridge.connectors.ucx.options import UcxOptions, UcxStats
 from kvbridge.connectors.ucx.params import PLAN, Hold, UcxPlan, UcxSource, check_params, handoff_params
+from kvbridge.connectors.ucx.releaser import Releaser
 
 from kvbridge.contract import (
     BlockLoad,
@@ -62,6 +64,7 @@ class UcxScheduler(SchedulerSide):
         self._incoming: dict[str, _Incoming] = {}
         self._holds: list[Hold] = []  # handed off since the last plan: the workers learn them from it
         self._grant_key = onesided.new_key()  # a new engine, a new key: grants of a previous one fail
+        self._releaser = Releaser(options, engine.engine_id, self.stats)
 
     # ---- consumer ----
     def lookup(self, request: RequestInfo, num_computed_tokens: int) -> Lookup:
@@ -88,14 +91,17 @@ class UcxScheduler(SchedulerSide):
         log.warning("%s: hand-off of %s refused, recomputing its prompt: %s", self.engine.engine_id, request_id, why)
 
     def on_allocated(self, request: RequestInfo, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Plan the pull, which releases the hand-off when it ends; or, with nothing to pull (the
+        engine's own cache holds it all), release the hand-off now."""
         self._check_open()
-        incoming = self._incoming.get(request.request_id)
-        if incoming is None or num_external_tokens <= 0:
+        incoming = self._incoming.pop(request.request_id, None)
+        if incoming is None:
             return
         bs, remote = self.engine.block_size, incoming.params["block_ids"]
         first = incoming.num_computed // bs
         last = min(-(-(incoming.num_computed + num_external_tokens) // bs), len(remote), len(block_ids))
-        if last <= first:
+        if num_external_tokens <= 0 or last <= first:
+            self._releaser.let_go(request.request_id, UcxSource.of(incoming.params, ()), "cached here")
             return
         source = UcxSource.of(incoming.params, tuple(map(int, remote[first:last])))
         local = tuple(map(int, block_ids[first:last]))
@@ -115,16 +121,25 @@ class UcxScheduler(SchedulerSide):
 
     def on_finished(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
         self._check_open()
-        self._incoming.pop(request.request_id, None)
+        incoming = self._incoming.pop(request.request_id, None)
+        if incoming is not None:  # ended before it was scheduled: its producer still holds the blocks
+            self._releaser.let_go(request.request_id, UcxSource.of(incoming.params, ()), "ended unscheduled")
         self._refused.discard(request.request_id)
-        ending, _ = self.loads.finish(request.request_id)
+        ending, op = self.loads.finish(request.request_id)
         if ending is Ending.IN_FLIGHT:  # a pull still writes into its blocks: freed once the worker reports it
             return FinishDecision(delay_free=True)
-        if ending is Ending.DROPPED:  # the pull never started: nothing arrived, nothing to hand on
+        if ending is Ending.DROPPED:  # the pull never started: nothing arrived; the producer may free its blocks
+            if op is not None and isinstance(op.source, UcxSource):
+                self._releaser.let_go(request.request_id, op.source, "ended before its pull")
             return FinishDecision()
         if self.engine.role == "consumer" or not _wants_remote_decode(self.engine.role, request):
             return FinishDecision()
         return self._offer(request, block_ids)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._releaser.close()
+        super().close()
 
     # ---- producer ----
     def _offer(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
