@@ -255,9 +255,10 @@ def test_release_before_the_plan_is_remembered(tmp_path: Path) -> None:
     consumer = MiniEngine(UcxBackend(options), engine_id="c", role="consumer", seed=2)
     try:
         tokens = _tokens(4 * 16 + 2, seed=60)
-        sent = producer.prefill("early", tokens)
+        sent = producer.prefill("early", tokens, step_after=False)  # the worker has not heard of the hold
         got = consumer.prefill("early-c", tokens, sent.finish.transfer_params)
         assert got.failed_blocks == [] and torch.equal(got.snapshot[:, :4], sent.snapshot[:, :4])
+        assert consumer.scheduler.stats.sealed_loads == 0  # no seal written yet: the release confirmed it
         report = producer.pump()  # the hold reaches the worker now; the release is already there
         assert "early" in report.finished_saving and not producer.held
     finally:

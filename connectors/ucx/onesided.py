@@ -31,6 +31,17 @@ the release in its next step), so confirmed bytes were never overwritten during 
 producer cannot confirm; a failed read or refusal fails every block of the load (the engine
 recomputes them), because a one-sided batch may have landed partly.
 
+**The seal: confirming without a round trip** (``cma`` only). Each hand-off carries a *seal* ``(slot,
+word)``, chosen by the producer's scheduler (word random and nonzero, covered by the grant). The producer
+worker keeps a table of words (:class:`Seals`, exported with the KV): it writes ``word`` at ``slot`` when
+its plan names the hold, and clears it when the hold ends (release, lease over) — before reporting the
+request, so before the engine can free its blocks. After reading the data the consumer reads that word
+(a second ``process_vm_readv``): equal means the hold had not ended when the read was over, so the
+blocks were held throughout (a hold never comes back once ended), and the bytes count at once; the
+release then goes off the load's path. Anything else (the worker has not learnt the hold yet, a newer
+hold took the slot, the ``ucp`` lane) falls back to the confirming release above. The seal only saves a
+round trip; the answer is the same.
+
 **Trust.** UCX traffic is neither authenticated nor encrypted. Whoever holds the rkeys (``ucp``) can read
 the producer's whole registered KV cache — every request's blocks, not only the ones handed off —
 until the producer exits; ``cma`` needs no key but the same uid (it reads the producer's memory like a
@@ -68,7 +79,11 @@ LANES = ("auto", "cma", "ucp", "ucp-unsafe", "two-sided")
 ASK = "ucx1s_ask"  # consumer: request id + grant of the load that asks for one-sided access
 PID, PROBE, ADDRESSING, WORKER, RKEYS, MEMORY, BLOCKS = ("ucx1s_pid", "ucx1s_probe", "ucx1s_addressing", "ucx1s_worker",
                                                           "ucx1s_rkeys", "ucx1s_memory", "ucx1s_blocks")
-_GRANT = struct.Struct("<d32s32s")  # expires_at, HMAC-SHA256, sha256 of the block ids it covers
+SEALS = "ucx1s_seals"  # "<address>:<slots>" of the producer's seal table
+SEAL_SLOTS = 1 << 16  # words in a producer's seal table (512 KiB); a slot is reused after that many hand-offs
+_GRANT = struct.Struct("<d32s32s")  # expires_at, HMAC-SHA256, sha256 of the block ids (and seal) it covers
+Seal = tuple[int, int]  # (slot, word): see the module docstring
+NO_SEAL: Seal = (-1, 0)
 
 
 # ---- grants: "my scheduler handed these blocks off", checkable by any of its workers --------------------
@@ -76,8 +91,16 @@ def new_key() -> bytes:
     return secrets.token_bytes(32)
 
 
-def ids_digest(block_ids: Any) -> bytes:
-    return hashlib.sha256(np.asarray(block_ids, dtype="<i8").tobytes()).digest()
+def ids_digest(block_ids: Any, seal: Seal = NO_SEAL) -> bytes:
+    data = np.asarray(block_ids, dtype="<i8").tobytes()
+    if seal != NO_SEAL:
+        data += struct.pack("<qQ", *seal)
+    return hashlib.sha256(data).digest()
+
+
+def new_seal(counter: int) -> Seal:
+    """The seal of a producer scheduler's ``counter``-th hand-off: its slot, and a random nonzero word."""
+    return counter % SEAL_SLOTS, secrets.randbits(63) | 1
 
 
 def _mac(key: bytes, engine_id: str, request_id: str, expires_at: float, digest: bytes) -> bytes:
@@ -85,10 +108,10 @@ def _mac(key: bytes, engine_id: str, request_id: str, expires_at: float, digest:
     return hmac.new(key, text, hashlib.sha256).digest()
 
 
-def sign(key: bytes, engine_id: str, request_id: str, expires_at: float, block_ids: Any) -> bytes:
+def sign(key: bytes, engine_id: str, request_id: str, expires_at: float, block_ids: Any, seal: Seal = NO_SEAL) -> bytes:
     """The grant a scheduler puts in the transfer params: its expiry, a MAC over (engine, request, expiry,
-    block ids) and the digest of those ids; a consumer sends it back as it got it."""
-    digest = ids_digest(block_ids)
+    block ids, seal) and the digest of those ids and the seal; a consumer sends it back as it got it."""
+    digest = ids_digest(block_ids, seal)
     return _GRANT.pack(expires_at, _mac(key, engine_id, request_id, expires_at, digest), digest)
 
 
@@ -101,9 +124,9 @@ def verify(key: bytes | None, engine_id: str, request_id: str, grant: bytes) -> 
     return expires_at if hmac.compare_digest(_mac(key, engine_id, request_id, expires_at, digest), mac) else None
 
 
-def grant_covers(grant: bytes, block_ids: Any) -> bool:
-    """Whether ``grant`` names exactly these block ids (the consumer checks its params before reading)."""
-    return len(grant) == _GRANT.size and _GRANT.unpack(grant)[2] == ids_digest(block_ids)
+def grant_covers(grant: bytes, block_ids: Any, seal: Seal = NO_SEAL) -> bool:
+    """Whether ``grant`` names exactly these block ids and seal (the consumer checks its params before reading)."""
+    return len(grant) == _GRANT.size and _GRANT.unpack(grant)[2] == ids_digest(block_ids, seal)
 
 
 def encode_ask(request_id: str, grant: bytes) -> bytes:
@@ -151,6 +174,23 @@ def _memory_type(layout: KVLayout) -> str:
 
 
 # ---- producer --------------------------------------------------------------------------------------------
+class Seals:
+    """A producer worker's seal table (see the module docstring). Aligned 8-byte stores: a reader in
+    another process sees a word whole, old or new."""
+
+    def __init__(self) -> None:
+        self.words = np.zeros(SEAL_SLOTS, dtype=np.uint64)
+
+    def set(self, seal: Seal) -> None:
+        if seal != NO_SEAL:
+            self.words[seal[0]] = seal[1]
+
+    def clear(self, seal: Seal) -> None:
+        """The hold of ``seal`` ended: its word goes, unless a newer hold has the slot now."""
+        if seal != NO_SEAL and int(self.words[seal[0]]) == seal[1]:
+            self.words[seal[0]] = 0
+
+
 class Exporter:
     """A producer worker's KV, registered once for one-sided readers (``cma`` needs no registration)."""
 
@@ -158,6 +198,7 @@ class Exporter:
         self.layout = layout
         self.addressing = layout.addressing()
         self._probe = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()  # kept alive with self
+        self.seals = Seals()
         self._regions: list[Any] = []
         self._ucp_error = ""
         try:
@@ -176,6 +217,7 @@ class Exporter:
             ADDRESSING: self.addressing.to_json().encode(),
             MEMORY: _memory_type(self.layout).encode(),
             BLOCKS: str(self.layout.num_blocks).encode(),
+            SEALS: f"{self.seals.words.ctypes.data}:{SEAL_SLOTS}".encode(),
         }
         if self._regions:
             out[WORKER] = self._worker
@@ -200,6 +242,7 @@ class Source:
     pid: int = 0
     ep: Any = None
     layer_rkey: np.ndarray | None = None  # rkey index per layer (ucp)
+    seals: tuple[int, int] = (0, 0)  # (address, slots) of the producer's seal table (cma); (0, 0): none
 
     def close(self) -> None:
         if self.ep is not None:
@@ -223,7 +266,8 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str) -> Sour
     if lane in ("auto", "cma") and host_kv:
         pid = int(t[PID])
         if _probe(pid, t[PROBE]):
-            return Source("cma", addressing, num_blocks, pid=pid)
+            address, _, slots = t.get(SEALS, b"0:0").decode().partition(":")
+            return Source("cma", addressing, num_blocks, pid=pid, seals=(int(address), int(slots or 0)))
         if lane == "cma":
             raise PeerUnreachable(f"cma cannot read producer {theirs.engine_id} (pid {pid}): other host, "
                                   "pid namespace or permission (ptrace scope)")
@@ -262,6 +306,24 @@ def _probe(pid: int, probe: bytes) -> bool:
     return got.tobytes() == want
 
 
+def sealed(src: Source, seal: Seal) -> bool:
+    """Whether the producer's seal table still holds ``seal``'s word (read now, after the data); ``False``
+    whenever it cannot tell (no table, the ``ucp`` lane, a failed read): then the release must confirm."""
+    address, slots = src.seals
+    slot, word = seal
+    if src.lane != "cma" or not address or not 0 <= slot < slots or not word:
+        return False
+    mod, _ = native.load()
+    got = np.zeros(1, dtype=np.uint64)
+    try:
+        assert mod is not None
+        mod.cma_read(src.pid, np.array([address + 8 * slot], dtype=np.uint64), np.array([got.ctypes.data], dtype=np.uint64),
+                     np.array([8], dtype=np.uint64))
+    except OSError:
+        return False
+    return int(got[0]) == word
+
+
 def read(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.ndarray, local_ids: np.ndarray,
          timeout_s: float) -> int:
     """Read blocks ``remote_ids`` of ``src`` into the local blocks ``local_ids`` (``mine``: ``layout``'s
@@ -292,4 +354,5 @@ def read(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.nd
         raise PeerUnreachable(f"one-sided read: {exc}") from None
 
 
-__all__ = ["LANES", "Exporter", "Source", "context", "grant_covers", "new_key", "open_source", "read", "sign", "verify"]
+__all__ = ["LANES", "NO_SEAL", "SEAL_SLOTS", "Exporter", "Seal", "Seals", "Source", "context", "grant_covers", "new_key",
+           "new_seal", "open_source", "read", "sealed", "sign", "verify"]

@@ -80,6 +80,7 @@ class UcxStats(TransferStats):
     expired_leases: int = 0
     refused_handoffs: int = 0  # consumer: transfer params it could not use (expired, malformed, altered)
     unpulled_handoffs: int = 0  # consumer: hand-offs released without a pull (all cached here, ended first)
+    sealed_loads: int = 0  # consumer: one-sided reads confirmed by the producer's seal (no round trip)
 
 
 __all__ = ["UcxOptions", "UcxStats"]

@@ -34,6 +34,7 @@ class Hold:
     request_id: str
     block_ids: tuple[int, ...]
     expires_at: float
+    seal: onesided.Seal = onesided.NO_SEAL  # written into the worker's seal table while the hold lasts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,8 @@ class UcxSource:
 
     ``remote_block_ids`` are the producer's blocks for this load's local ones, in order;
     ``metadata_addresses`` one per producer rank (empty: rank 0's ``metadata_address`` only);
-    ``grant`` the producer scheduler's signature over the hand-off (empty from an older producer).
+    ``grant`` the producer scheduler's signature over the hand-off (empty from an older producer);
+    ``seal`` what the producer's seal table holds while the hand-off lasts (:mod:`.onesided`).
     """
 
     engine_id: str
@@ -62,6 +64,7 @@ class UcxSource:
     remote_block_ids: tuple[int, ...]
     expires_at: float
     grant: bytes = b""
+    seal: onesided.Seal = onesided.NO_SEAL
 
     @classmethod
     def of(cls, params: Mapping[str, Any], remote_block_ids: tuple[int, ...]) -> UcxSource:
@@ -74,12 +77,20 @@ class UcxSource:
             remote_block_ids=remote_block_ids,
             expires_at=float(params["expires_at"]),
             grant=bytes.fromhex(str(params.get("grant", ""))),
+            seal=seal_of(params),
         )
 
 
+def seal_of(params: Mapping[str, Any]) -> onesided.Seal:
+    """The seal in (checked) transfer params: ``"seal": [slot, "<16 hex digits>"]``, or none."""
+    seal = params.get("seal")
+    return (int(seal[0]), int(seal[1], 16)) if seal else onesided.NO_SEAL
+
+
 def handoff_params(engine_id: str, request_id: str, block_ids: tuple[int, ...], num_tokens: int, expires_at: float,
-                   grant_key: bytes, addresses: Sequence[str | None]) -> dict[str, Any]:
-    """The transfer params a producer hands out for ``request_id`` (JSON-able: they travel through clients)."""
+                   grant_key: bytes, addresses: Sequence[str | None], seal: onesided.Seal = onesided.NO_SEAL) -> dict[str, Any]:
+    """The transfer params a producer hands out for ``request_id`` (JSON-able: they travel through clients;
+    the seal's word as hex, since JSON readers elsewhere may hold integers as doubles)."""
     params: dict[str, Any] = {
         "kvbridge_version": PARAMS_VERSION,
         "engine_id": engine_id,
@@ -88,8 +99,10 @@ def handoff_params(engine_id: str, request_id: str, block_ids: tuple[int, ...], 
         "block_ids": list(block_ids),
         "num_tokens": num_tokens,
         "expires_at": expires_at,
-        "grant": onesided.sign(grant_key, engine_id, request_id, expires_at, block_ids).hex(),
+        "grant": onesided.sign(grant_key, engine_id, request_id, expires_at, block_ids, seal).hex(),
     }
+    if seal != onesided.NO_SEAL:
+        params["seal"] = [seal[0], f"{seal[1]:016x}"]
     if len(addresses) > 1 and all(addresses):
         params["metadata_addresses"] = list(addresses)
     return params
@@ -147,8 +160,13 @@ def check_params(params: Any) -> tuple[Mapping[str, Any] | None, str]:
     grant = params.get("grant", "")
     if not isinstance(grant, str) or len(grant) > 256 or not re.fullmatch(r"(?:[0-9a-f]{2})*", grant):
         return None, "grant malformed"
-    if grant and not onesided.grant_covers(bytes.fromhex(grant), ids):
-        return None, "the grant does not cover these block ids (altered on the way)"
+    seal = params.get("seal")
+    if seal is not None and not (isinstance(seal, (list, tuple)) and len(seal) == 2 and _is_int(seal[0])
+                                 and 0 <= seal[0] < onesided.SEAL_SLOTS and isinstance(seal[1], str)
+                                 and re.fullmatch(r"[0-9a-f]{16}", seal[1])):  # fmt: skip
+        return None, "seal malformed"
+    if grant and not onesided.grant_covers(bytes.fromhex(grant), ids, seal_of(params)):
+        return None, "the grant does not cover these block ids and seal (altered on the way)"
     return params, ""
 
 
@@ -157,4 +175,5 @@ def usable_params(params: Any) -> Mapping[str, Any] | None:
     return check_params(params)[0]
 
 
-__all__ = ["PARAMS_VERSION", "PLAN", "Hold", "UcxPlan", "UcxSource", "check_params", "handoff_params", "is_id", "usable_params"]
+__all__ = ["PARAMS_VERSION", "PLAN", "Hold", "UcxPlan", "UcxSource", "check_params", "handoff_params", "is_id", "seal_of",
+           "usable_params"]

@@ -2,8 +2,10 @@
 
 Per producer address it handshakes once (cached with the endpoint or the one-sided source). Per load:
 
-- *one-sided* (:mod:`.onesided`): read every block straight into the KV in one batch, then release;
-  the blocks count only if the producer answers that it held them throughout (all or nothing);
+- *one-sided* (:mod:`.onesided`): read every block straight into the KV in one batch; the blocks count
+  only if the producer's seal table still holds the hand-off's word after the read (then the release goes
+  off the load's path) or, failing that, the producer answers the release that it held them throughout
+  (all or nothing);
 - *two-sided*: post the receives, send the :class:`~.wire.Pull`, receive each chunk into a staging
   buffer — never into the KV, so a late, partial or timed-out chunk never touches a block — scatter it
   (one op per layer), and finally release the producer's request.
@@ -28,6 +30,7 @@ from kvbridge.connectors.ucx import onesided, wire
 from kvbridge.connectors.ucx import runtime as rtmod
 from kvbridge.connectors.ucx.options import UcxOptions, UcxStats
 from kvbridge.connectors.ucx.params import UcxSource, is_id
+from kvbridge.connectors.ucx.releaser import Releaser
 from kvbridge.connectors.ucx.staging import StagingPool, bury, chunk, sync
 
 from kvbridge import native
@@ -82,6 +85,7 @@ class Puller:
         self._staging = StagingPool(layout, LOAD_THREADS * options.max_inflight)
         self._peer_locks: collections.defaultdict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
+        self._releaser = Releaser(options, engine.engine_id)  # releases after a sealed read
 
     # ---- peers ----
     def _address(self, src: UcxSource) -> str:
@@ -186,6 +190,10 @@ class Puller:
             self._drop(address)  # a dead or restarted producer: handshake anew next time
             self._release(address, src, ok=False)
             return set(op.block_ids)
+        if onesided.sealed(peer.source, src.seal):  # held throughout: count now, release off the load's path
+            self._releaser.release((address,), src, aborted=False)
+            self._count(op, t0, sealed=True)
+            return set()
         held = False
         try:
             held = peer.client.release(self.engine.engine_id, rid, aborted=False, grant=src.grant)
@@ -197,9 +205,13 @@ class Puller:
             log.warning("%s: producer %s no longer held %s when the read ended: %d blocks not counted",
                         self.engine.engine_id, src.engine_id, rid, len(op.block_ids))
             return set(op.block_ids)
-        nbytes = len(op.block_ids) * self.layout.num_layers * self.layout.block_bytes
-        self.stats.add(load_bytes=nbytes, load_blocks=len(op.block_ids), load_seconds=time.perf_counter() - t0)
+        self._count(op, t0, sealed=False)
         return set()
+
+    def _count(self, op: BlockLoad, t0: float, *, sealed: bool) -> None:
+        nbytes = len(op.block_ids) * self.layout.num_layers * self.layout.block_bytes
+        self.stats.add(load_bytes=nbytes, load_blocks=len(op.block_ids), load_seconds=time.perf_counter() - t0,
+                       sealed_loads=int(sealed))
 
     def _read_blocks(self, source: onesided.Source, op: BlockLoad, src: UcxSource) -> None:
         """The read itself, after the checks that make it safe to start; raises on any failure."""
@@ -303,6 +315,7 @@ class Puller:
             self.stats.add(load_bytes=nbytes, load_blocks=arrived[0], load_seconds=time.perf_counter() - t0)
 
     def close(self) -> None:
+        self._releaser.close()  # the releases of sealed reads still queued
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:

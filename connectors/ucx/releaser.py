@@ -1,4 +1,5 @@
-"""A consumer's scheduler letting go of hand-offs it will not pull.
+"""Releases off the engine's path: a consumer's scheduler letting go of hand-offs it will not pull, and a
+consumer worker's release after a read its producer's seal already confirmed (:mod:`.onesided`).
 
 A producer holds a finished prompt's blocks (vLLM keeps them allocated, ``delay_free``) until a consumer
 releases them or the lease ends (``lease_s``, 480 s by default). A consumer that pulls releases at the end
@@ -10,7 +11,8 @@ pull starts, or when it ends before it was ever scheduled.
 
 The scheduler knows these cases, so it releases from there, on one background thread: the consumer engine
 may never step again (an idle server after its last request), and a slow or dead producer must not stall
-scheduling. A release that fails is logged at info level; the lease frees the blocks instead.
+scheduling. A release that fails is logged at info level; the lease frees the blocks instead. One client
+per producer address, kept until :meth:`Releaser.close`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 
-from kvbridge.connectors.ucx.options import UcxOptions, UcxStats
+from kvbridge.connectors.ucx.options import UcxOptions
 from kvbridge.connectors.ucx.params import UcxSource
 
 from kvbridge.errors import KVBridgeError
@@ -29,40 +32,41 @@ log = logging.getLogger(__name__)
 
 
 class Releaser:
-    """``let_go(request_id, source)`` queues an ``aborted`` release of ``source``'s hand-off at every
-    producer rank it names; one thread sends them, started on first use and stopped by :meth:`close`."""
+    """``release(addresses, source, aborted=...)`` queues a release of ``source``'s hand-off at each of
+    ``addresses`` (producer ranks); one thread sends them, started on first use, stopped by :meth:`close`."""
 
-    def __init__(self, options: UcxOptions, engine_id: str, stats: UcxStats):
-        self.options, self.engine_id, self.stats = options, engine_id, stats
-        self._queue: queue.Queue[tuple[str, UcxSource] | None] = queue.Queue()
+    def __init__(self, options: UcxOptions, engine_id: str):
+        self.options, self.engine_id = options, engine_id
+        self._queue: queue.Queue[tuple[tuple[str, ...], UcxSource, bool] | None] = queue.Queue()
+        self._clients: dict[str, MetadataClient] = {}  # only the thread touches them
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def let_go(self, request_id: str, source: UcxSource, why: str) -> None:
-        log.debug("%s: %s will not pull %s from %s (%s): releasing it", self.engine_id, request_id,
-                  source.remote_request_id, source.engine_id, why)
-        self.stats.add(unpulled_handoffs=1)
+    def release(self, addresses: Sequence[str], source: UcxSource, *, aborted: bool) -> None:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvbridge-ucx-release", daemon=True)
                 self._thread.start()
-        self._queue.put((request_id, source))
+        self._queue.put((tuple(dict.fromkeys(a for a in addresses if a)), source, aborted))
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            self._release(*item)
+            addresses, src, aborted = item
+            for address in addresses:
+                self._send(address, src, aborted)
+        for client in self._clients.values():
+            client.close()
 
-    def _release(self, request_id: str, src: UcxSource) -> None:
-        addresses = src.metadata_addresses or (src.metadata_address,)
-        for address in dict.fromkeys(a for a in addresses if a):  # each rank holds its own blocks
-            client = MetadataClient(address, token=self.options.token, timeout=self.options.timeout_s / 2, retries=1)
-            try:
-                client.release(self.engine_id, src.remote_request_id, aborted=True, grant=src.grant)
-            except KVBridgeError as exc:  # the producer's lease frees the blocks instead
-                log.info("%s: release of unpulled %s at %s failed: %s", self.engine_id, src.remote_request_id,
-                         address, exc)
-            finally:
-                client.close()
+    def _send(self, address: str, src: UcxSource, aborted: bool) -> None:
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = MetadataClient(address, token=self.options.token,
+                                                             timeout=self.options.timeout_s / 2, retries=1)
+        try:
+            client.release(self.engine_id, src.remote_request_id, aborted=aborted, grant=src.grant)
+        except KVBridgeError as exc:  # the producer's lease frees the blocks instead
+            log.info("%s: release of %s at %s failed: %s", self.engine_id, src.remote_request_id, address, exc)
+            self._clients.pop(address).close()  # a restarted producer: a fresh channel next time
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (each call bounded by ``timeout_s``), then stop the thread."""

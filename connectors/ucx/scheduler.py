@@ -64,7 +64,8 @@ class UcxScheduler(SchedulerSide):
         self._incoming: dict[str, _Incoming] = {}
         self._holds: list[Hold] = []  # handed off since the last plan: the workers learn them from it
         self._grant_key = onesided.new_key()  # a new engine, a new key: grants of a previous one fail
-        self._releaser = Releaser(options, engine.engine_id, self.stats)
+        self._handoffs = 0  # hand-offs so far: the next one's seal slot
+        self._releaser = Releaser(options, engine.engine_id)
 
     # ---- consumer ----
     def lookup(self, request: RequestInfo, num_computed_tokens: int) -> Lookup:
@@ -101,11 +102,18 @@ class UcxScheduler(SchedulerSide):
         first = incoming.num_computed // bs
         last = min(-(-(incoming.num_computed + num_external_tokens) // bs), len(remote), len(block_ids))
         if num_external_tokens <= 0 or last <= first:
-            self._releaser.let_go(request.request_id, UcxSource.of(incoming.params, ()), "cached here")
+            self._let_go(request.request_id, UcxSource.of(incoming.params, ()), "cached here")
             return
         source = UcxSource.of(incoming.params, tuple(map(int, remote[first:last])))
         local = tuple(map(int, block_ids[first:last]))
         self.loads.plan(BlockLoad(request.request_id, local, source=source))
+
+    def _let_go(self, request_id: str, src: UcxSource, why: str) -> None:
+        """Tell every producer rank that ``request_id`` will not pull ``src`` (see :mod:`.releaser`)."""
+        log.debug("%s: %s will not pull %s from %s (%s): releasing it", self.engine.engine_id, request_id,
+                  src.remote_request_id, src.engine_id, why)
+        self.stats.add(unpulled_handoffs=1)
+        self._releaser.release(src.metadata_addresses or (src.metadata_address,), src, aborted=True)
 
     def on_report(self, report: WorkerReport) -> None:
         self._check_open()
@@ -123,14 +131,14 @@ class UcxScheduler(SchedulerSide):
         self._check_open()
         incoming = self._incoming.pop(request.request_id, None)
         if incoming is not None:  # ended before it was scheduled: its producer still holds the blocks
-            self._releaser.let_go(request.request_id, UcxSource.of(incoming.params, ()), "ended unscheduled")
+            self._let_go(request.request_id, UcxSource.of(incoming.params, ()), "ended unscheduled")
         self._refused.discard(request.request_id)
         ending, op = self.loads.finish(request.request_id)
         if ending is Ending.IN_FLIGHT:  # a pull still writes into its blocks: freed once the worker reports it
             return FinishDecision(delay_free=True)
         if ending is Ending.DROPPED:  # the pull never started: nothing arrived; the producer may free its blocks
             if op is not None and isinstance(op.source, UcxSource):
-                self._releaser.let_go(request.request_id, op.source, "ended before its pull")
+                self._let_go(request.request_id, op.source, "ended before its pull")
             return FinishDecision()
         if self.engine.role == "consumer" or not _wants_remote_decode(self.engine.role, request):
             return FinishDecision()
@@ -153,9 +161,11 @@ class UcxScheduler(SchedulerSide):
             return FinishDecision()
         ids = tuple(map(int, block_ids[:full]))
         expires_at = time.time() + self.options.lease_s
-        self._holds.append(Hold(request.request_id, ids, expires_at))
+        seal = onesided.new_seal(self._handoffs)
+        self._handoffs += 1
+        self._holds.append(Hold(request.request_id, ids, expires_at, seal))
         params = handoff_params(self.engine.engine_id, request.request_id, ids, full * self.engine.block_size,
-                                expires_at, self._grant_key, found)
+                                expires_at, self._grant_key, found, seal)
         return FinishDecision(delay_free=True, transfer_params=params)
 
 

@@ -56,7 +56,7 @@ class Server:
                              {wire.WORKER_ADDRESS: rt.worker_address, wire.CONTROL_TAG: self.tag.to_bytes(8, "little")})
         self._lock = threading.Lock()
         self._consumers: dict[tuple[str, int], Any] = {}  # (engine id, rank) -> UCX endpoint
-        self._holds: dict[str, tuple[frozenset[int], float]] = {}
+        self._holds: dict[str, tuple[frozenset[int], float, onesided.Seal]] = {}  # blocks, lease end, seal
         # released or expired -> already reported in finished_saving (False: released before the engine
         # told us it held the request, and not provably handed off; reported when the plan names it)
         self._done: collections.OrderedDict[str, bool] = collections.OrderedDict()
@@ -120,6 +120,7 @@ class Server:
             known = self._holds.pop(request_id, None)
             if known is not None:
                 expires = known[1] if expires is None else expires
+                self._unseal(known[2])  # before the engine hears of it, so before it frees the blocks
             done_before = request_id in self._done
             handed_off = expires is not None and not done_before
             if handed_off:
@@ -149,16 +150,22 @@ class Server:
                     self._finished.add(h.request_id)
                     self._done[h.request_id] = True
                 elif reported is None:
-                    self._holds[h.request_id] = (frozenset(h.block_ids), float(h.expires_at))
+                    self._holds[h.request_id] = (frozenset(h.block_ids), float(h.expires_at), h.seal)
+                    if self.exporter is not None:
+                        self.exporter.seals.set(h.seal)
+
+    def _unseal(self, seal: onesided.Seal) -> None:
+        if self.exporter is not None:
+            self.exporter.seals.clear(seal)
 
     def take_finished(self) -> set[str]:
         """Requests released or expired since the last call: the engine may free their blocks."""
         now = time.time()
         with self._lock:
             # a lease does not expire under a pull still gathering from its blocks (each send has a deadline)
-            expired = [rid for rid, (_, exp) in self._holds.items() if exp < now and not self._in_service[rid]]
+            expired = [rid for rid, (_, exp, _) in self._holds.items() if exp < now and not self._in_service[rid]]
             for rid in expired:
-                del self._holds[rid]
+                self._unseal(self._holds.pop(rid)[2])
                 self._mark_done(rid, reported=True)
                 self._finished.add(rid)
             out, self._finished = self._finished, set()
