@@ -340,3 +340,14 @@ def test_an_idle_pair_costs_almost_no_cpu() -> None:
     idle, first_pull_ms = map(float, out.stdout.split()[-2:])
     print(f"idle: {100 * idle:.1f}% of a core; first pull after idling: {first_pull_ms:.1f} ms")
     assert idle < 0.25, f"an idle ucx pair used {100 * idle:.0f}% of a core"
+
+
+@pytest.mark.parametrize("ids", ["scattered", "contiguous"])
+def test_the_bench_times_ucx_as_deployed(ids: str) -> None:
+    """kvbridge bench's ucx transfer: the producer engine in a child process, two requests pulled in one
+    step, the first pull checked against the producer's sha256 (a mismatch raises instead of timing)."""
+    from kvbridge.bench.core import SHAPES, Point
+    from kvbridge.bench.ucx_baselines import two_processes
+
+    timing = two_processes(Point(SHAPES["tiny"], 64, ids=ids, requests=2), reps=2)
+    assert len(timing.samples) == 2 and all(0 < s < 10 for s in timing.samples)

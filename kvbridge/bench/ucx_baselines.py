@@ -31,15 +31,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from kvbridge.bench.baselines import BASELINES, Unavailable
-from kvbridge.bench.core import Timing
+from kvbridge.bench.core import SHAPES, Point, Timing
 
-GEOMETRY: dict[str, Any] = {"num_layers": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16, "dtype": torch.bfloat16}
 BLOCK_BYTES = 32 * 8 * 16 * 2 * 128 * 2  # one block of every layer: 2 MiB
 
 
@@ -72,20 +71,43 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 # ---- kvbridge: producer child, consumer here ---------------------------------------------------------
-def _producer(registry: str, blocks: int, progress_mode: str) -> None:
+def _point_json(point: Point) -> str:
+    return json.dumps({"shape": point.shape.name, "tokens": point.tokens, "block_size": point.block_size,
+                       "ids": point.ids, "requests": point.requests})
+
+
+def _engine(point: Point, role: Literal["producer", "consumer"], seed: int, registry: str, progress_mode: str) -> Any:
+    """A MiniEngine of ``point``'s geometry (vLLM's layout: K and V planes per layer) with room for its requests."""
     from kvbridge.connectors.ucx import UcxBackend, UcxOptions
-    from kvbridge.contract import RequestInfo
     from kvbridge.testing import MiniEngine
 
+    shape = point.shape
     options = UcxOptions(registry_dir=registry, progress_mode=progress_mode)  # type: ignore[arg-type]
-    engine = MiniEngine(UcxBackend(options), engine_id="bench-producer", role="producer",
-                        num_blocks=blocks + 8, seed=1, **GEOMETRY)
+    return MiniEngine(UcxBackend(options), engine_id=f"bench-{role}", role=role, seed=seed,
+                      num_blocks=point.requests * (point.blocks_per_request + 1) + 8, num_layers=shape.num_layers,
+                      num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=point.block_size,
+                      dtype=shape.dtype)  # fmt: skip
+
+
+def _request_ids(point: Point, num_blocks: int, seed: int) -> list[list[int]]:
+    """Each request's block ids: runs of a random permutation (``scattered``) or consecutive runs."""
+    n = point.blocks_per_request + 1  # with the partial last block each prompt has
+    order = np.random.default_rng(seed).permutation(num_blocks) if point.ids == "scattered" else np.arange(num_blocks)
+    return [order[i * n : (i + 1) * n].tolist() for i in range(point.requests)]
+
+
+def _producer(registry: str, point_json: str, progress_mode: str) -> None:
+    from kvbridge.contract import RequestInfo
+
+    point = Point(**{**json.loads(point_json), "shape": SHAPES[json.loads(point_json)["shape"]]})
+    engine = _engine(point, "producer", 1, registry, progress_mode)
     for t in engine.kv.values():
         t.view(torch.int16).random_()  # random bits: nothing compresses, nothing is all-zero
-    ids = engine.allocate(blocks)  # shuffled: scattered ids
-    digest = hashlib.sha256(engine.read(ids).numpy().tobytes()).hexdigest()
+    runs = _request_ids(point, engine.layout.num_blocks, 1)
+    full = point.blocks_per_request
+    digest = hashlib.sha256(b"".join(engine.read(ids[:full]).numpy().tobytes() for ids in runs)).hexdigest()
     print(json.dumps({"sha256": digest}), flush=True)
-    tokens = tuple(range(blocks * 16 + 1))
+    tokens = tuple(range(full * point.block_size + 1))
     while True:
         if not select.select([sys.stdin], [], [], 0.01)[0]:
             engine.pump()  # takes releases, frees held requests
@@ -93,51 +115,52 @@ def _producer(registry: str, blocks: int, progress_mode: str) -> None:
         cmd = json.loads(sys.stdin.readline() or '{"op": "quit"}')
         if cmd["op"] == "quit":
             break
-        decision = engine.scheduler.on_finished(RequestInfo(cmd["rid"], tokens, ()), ids)
-        engine.pump()
-        print(json.dumps({"params": decision.transfer_params}), flush=True)
+        params = [engine.scheduler.on_finished(RequestInfo(f"{cmd['rid']}-{i}", tokens, ()), ids).transfer_params
+                  for i, ids in enumerate(runs)]  # fmt: skip
+        engine.pump()  # the engine steps after its requests end: its worker learns (and seals) the holds
+        print(json.dumps({"params": params}), flush=True)
     engine.close()
 
 
-def _kvbridge(blocks: int, reps: int, progress_mode: str = "thread") -> Timing:
-    from kvbridge.connectors.ucx import UcxBackend, UcxOptions
-    from kvbridge.testing import MiniEngine
-
+def two_processes(point: Point, reps: int, progress_mode: str = "thread") -> Timing:
+    """The ``ucx`` backend as deployed: a producer engine in a child process holds ``point``'s requests
+    (random bits in vLLM's KV layout), this process's consumer engine pulls them, all in one step (timed:
+    ``start_step`` to the ``poll`` that reports the last); the first pull (a warm-up, with the handshake)
+    is checked against the producer's sha256."""
     with tempfile.TemporaryDirectory(prefix="kvbridge-ucx-bench-") as registry:
-        proc = _child("producer", registry, str(blocks), progress_mode)
+        proc = _child("producer", registry, _point_json(point), progress_mode)
         consumer = None
         try:
             digest = _line(proc)["sha256"]
-            options = UcxOptions(registry_dir=registry, progress_mode=progress_mode)  # type: ignore[arg-type]
-            consumer = MiniEngine(UcxBackend(options), engine_id="bench-consumer",
-                                  role="consumer", num_blocks=blocks + 8, seed=2, **GEOMETRY)
+            consumer = _engine(point, "consumer", 2, registry, progress_mode)
+            runs = _request_ids(point, consumer.layout.num_blocks, 2)
+            full, tokens = point.blocks_per_request, list(range(point.blocks_per_request * point.block_size + 1))
             samples = []
-            for i in range(reps + 1):  # the first pull also handshakes: a warm-up
+            for i in range(reps + 1):
                 _say(proc, op="offer", rid=f"r{i}")
-                params = _line(proc)["params"]
-                req = consumer.request(f"c{i}", list(range(blocks * 16 + 1)), params)
-                n = consumer.scheduler.lookup(req, 0).num_tokens
-                ids = consumer.allocate(blocks + 1)
-                consumer.scheduler.on_allocated(req, ids, n)
+                reqs = [consumer.request(f"c{i}-{k}", tokens, p) for k, p in enumerate(_line(proc)["params"])]
+                for req, ids in zip(reqs, runs):
+                    consumer.scheduler.on_allocated(req, ids, consumer.scheduler.lookup(req, 0).num_tokens)
                 plan = consumer.scheduler.plan_step([])
+                waiting, failed = {r.request_id for r in reqs}, set()
                 t0 = time.perf_counter()
                 consumer.worker.start_step(plan)
                 consumer.worker.finish_step()
-                failed: set[int] = set()
-                while True:
+                while waiting:
                     report = consumer.worker.poll()
                     failed |= report.failed_blocks
-                    if req.request_id in report.finished_loading:
-                        break
-                    time.sleep(0.0002)
+                    waiting -= report.finished_loading
+                    consumer.scheduler.on_report(report)
+                    if waiting:
+                        time.sleep(0.0001)
                 dt = time.perf_counter() - t0
                 if failed:
                     raise Unavailable(f"{len(failed)} blocks failed to load")
-                if i == 0 and hashlib.sha256(consumer.read(ids[:blocks]).numpy().tobytes()).hexdigest() != digest:
+                got = b"".join(consumer.read(ids[:full]).numpy().tobytes() for ids in runs)
+                if i == 0 and hashlib.sha256(got).hexdigest() != digest:
                     raise Unavailable("pulled bytes differ from the producer's")
-                consumer.scheduler.on_report(report)
-                consumer.scheduler.on_finished(req, ids)
-                consumer.free(ids)
+                for req, ids in zip(reqs, runs):
+                    consumer.scheduler.on_finished(req, ids)
                 if i:
                     samples.append(dt)
             return Timing(tuple(samples))
@@ -252,7 +275,7 @@ def measure(tokens: int = 2048, reps: int = 5, progress_mode: str = "thread") ->
     nbytes = blocks * BLOCK_BYTES
     rows = []
     for path, run in (
-        (f"kvbridge ucx (scattered, {progress_mode})", lambda: _kvbridge(blocks, reps, progress_mode)),
+        (f"kvbridge ucx (scattered, {progress_mode})", lambda: two_processes(Point(SHAPES["8b"], tokens), reps, progress_mode)),
         ("raw ucxx (one buffer)", lambda: ucxx_worker_address(nbytes, reps=reps, progress_mode=progress_mode)),
         ("tcp socket (one buffer)", lambda: tcp_processes(nbytes, reps)),
     ):
@@ -275,7 +298,7 @@ BASELINES.setdefault("ucxx-wa", _ucxx_wa)
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "producer":
-        return _producer(argv[1], int(argv[2]), argv[3])
+        return _producer(argv[1], argv[2], argv[3])
     if argv and argv[0] == "ucxx-sender":
         return _ucxx_sender(int(argv[1]), argv[2])
     if argv and argv[0] == "tcp-sender":
