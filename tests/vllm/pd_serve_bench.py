@@ -117,12 +117,12 @@ class Layout:
         self.procs: dict[str, subprocess.Popen] = {}
         self.ports: dict[str, int] = {}
 
-    def server(self, role: str, kv: dict[str, Any] | None) -> None:
+    def server(self, role: str, kv: dict[str, Any] | None, kv_bytes: int = 128 << 20) -> None:
         port = free_port()
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--served-model-name", "tiny", "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
-            "--dtype", "float32", "--kv-cache-memory-bytes", str(128 << 20), "--seed", "0",
+            "--dtype", "float32", "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0",
             "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
         ]  # fmt: skip
         if kv is not None:

@@ -1,0 +1,132 @@
+"""The routing bench: a shared-prefix workload through ``kvbridge proxy`` in front of two real vLLM replicas,
+each policy in the same run (one after the other, fresh replicas each time).
+
+    .venv-vllm/bin/python tests/vllm/routing_bench.py [--prompts 64] [--prefixes 8] [--prefix-len 384] [--rate 4]
+
+The workload is vLLM's own benchmark client with its ``prefix_repetition`` dataset: ``--prefixes`` long
+"system prompts" of ``--prefix-len`` tokens, each request one of them plus its own ``--suffix-len``
+tokens, in random order. Each replica's KV cache (``--kv-mib``) holds about half of the prefixes, as a
+busy engine's cache holds a part of what its clients send: a policy that sends a prefix back to the
+replica that holds it finds it there; one that spreads every prefix over both replicas makes each
+cache churn. Per policy: the prefix-cache hit rate (the replicas' ``vllm:prefix_cache_hits`` over
+``vllm:prefix_cache_queries``, in tokens), TTFT mean and p99, ITL mean, requests/s and failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+from pd_serve_bench import Layout, client_result, fmt, free_port  # noqa: E402
+from pdkit import engine_env, make_tiny_llama  # noqa: E402
+
+POLICIES = ("round-robin", "least-loaded", "cache-aware")
+
+
+def prefix_counters(port: int) -> tuple[float, float]:
+    """(hits, queries) of a replica's prefix cache, in tokens, from its /metrics."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    values = {"hits": 0.0, "queries": 0.0}
+    for line in text.splitlines():
+        for key in values:
+            if line.startswith(f"vllm:prefix_cache_{key}_total"):
+                values[key] += float(line.split()[-1])
+    return values["hits"], values["queries"]
+
+
+def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -> dict[str, Any]:
+    lay = Layout(policy, work, model)
+    for name in ("a", "b"):
+        lay.server(name, None, kv_bytes=args.kv_mib << 20)
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", "--policy", policy, "--listen", f"127.0.0.1:{port}",
+           "--timeout", "120", *(a for n in ("a", "b") for a in ("--replica", f"http://127.0.0.1:{lay.ports[n]}"))]
+    lay._start("proxy", port, cmd)
+    try:
+        print(f"[{policy}] replicas healthy in {lay.wait_healthy():.0f} s", flush=True)
+        before = [prefix_counters(lay.ports[n]) for n in ("a", "b")]
+        log = work / f"bench-{policy}.log"
+        client = [sys.executable, str(HERE / "bench_client.py"), "--backend", "vllm",
+                  "--base-url", f"http://127.0.0.1:{port}", "--model", "tiny", "--tokenizer", str(model),
+                  "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+                  "--prefix-repetition-suffix-len", str(args.suffix_len),
+                  "--prefix-repetition-num-prefixes", str(args.prefixes),
+                  "--prefix-repetition-output-len", str(args.output_len), "--ignore-eos",
+                  "--num-prompts", str(args.prompts), "--request-rate", str(args.rate), "--seed", str(args.seed),
+                  "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "99"]  # fmt: skip
+        res = client_result(subprocess.Popen(client, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=engine_env()), log)
+        after = [prefix_counters(lay.ports[n]) for n in ("a", "b")]
+        hits = sum(a[0] - b[0] for a, b in zip(after, before))
+        queries = sum(a[1] - b[1] for a, b in zip(after, before))
+        res["hit_rate"] = hits / queries if queries else None
+        print(f"[{policy}] {res}", flush=True)
+        return res
+    finally:
+        lay.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prefixes", type=int, default=8)
+    ap.add_argument("--prefix-len", type=int, default=384)
+    ap.add_argument("--suffix-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--rate", type=float, default=4)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kv-mib", type=int, default=4, help="KV cache per replica (4 MiB: ~2,000 tokens of the tiny model)")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--out", type=Path, default=ROOT / "benches" / "results" / "routing.txt")
+    args = ap.parse_args()
+    load0, date0 = os.getloadavg()[0], datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    work = Path(tempfile.mkdtemp(prefix="routing_bench-"))
+    print(f"work dir {work}", flush=True)
+    model = make_tiny_llama(work / "tiny-llama", max_positions=1024)
+    rows = [(p, run_policy(p, args, work, model)) for p in args.policies.split(",")]
+
+    head = f"{'policy':<12}  {'completed':>9}  {'failed':>6}  {'hit rate':>8}  {'TTFT mean':>9}  {'TTFT p99':>8}  {'ITL mean':>8}  {'req/s':>5}"
+    lines = [head, "-" * len(head)]
+    for name, r in rows:
+        rate = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
+        lines.append(f"{name:<12}  {fmt(r['completed']):>9}  {fmt(r['failed']):>6}  {rate:>8}  {fmt(r['mean_ttft_ms']):>9}  "
+                     f"{fmt(r['p99_ttft_ms']):>8}  {fmt(r['mean_itl_ms']):>8}  {fmt(r['request_throughput'], 2):>5}")
+    lines.append("(hit rate: prefix-cache hits over queries, in tokens, both replicas; TTFT and ITL in ms)")
+    table = "\n".join(lines)
+    print("\n" + table)
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         check=False).stdout.strip()  # fmt: skip
+    import vllm
+
+    header = [
+        "# " + " ".join([".venv-vllm/bin/python", "tests/vllm/routing_bench.py", *sys.argv[1:]]),
+        f"# {date0}, {os.cpu_count()} CPUs ({platform.machine()}), load at start {load0:.2f}; vllm {vllm.__version__},"
+        f" Python {platform.python_version()}, tree at {rev}",
+        f"# workload: vllm.benchmarks.serve prefix_repetition dataset, {args.prompts} prompts, {args.prefixes} prefixes of"
+        f" {args.prefix_len} tokens + {args.suffix_len} own, {args.output_len} out, {args.rate} req/s, seed {args.seed};"
+        f" two replicas of the tiny 2-layer Llama, float32, block 32, {args.kv_mib} MiB KV cache each, behind"
+        " `kvbridge proxy --replica A --replica B --policy P`; fresh replicas per policy",
+        "",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(header) + table + "\n")
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
