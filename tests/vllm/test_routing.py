@@ -4,7 +4,8 @@ Two plain ``python -m vllm.entrypoints.openai.api_server`` processes (prefix cac
 default) behind two proxies, one ``cache-aware`` and one ``round-robin``. A prompt sent twice through
 the cache-aware proxy reaches the replica that served it, and that replica really serves the prompt
 from its prefix cache (``prompt_tokens_details.cached_tokens``); through round-robin the second copy
-lands on the other replica and computes everything again. Both answers equal a direct call.
+lands on the other replica and computes everything again. Both answers equal a direct call. A prompt
+sharing only a long prefix follows it too; a killed replica is ejected and requests keep succeeding.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def replicas(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
         deadline = time.monotonic() + SERVER_START_S
         for proc, log, port in procs:
             wait_healthy(port, proc, log, deadline)
-        yield ports
+        yield {**ports, "procs": {"a": procs[0][0], "b": procs[1][0]}}
     finally:
         for proc, _, _ in procs:
             proc.terminate()
@@ -97,9 +98,22 @@ def test_cache_aware_sends_a_prompt_back_to_the_replica_that_holds_it(replicas: 
     assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     assert _cached(other) == 0
 
+    # a prompt that only shares A's long prefix goes to A's holder too, which serves that prefix from its cache
+    shared = prompts["A"][:160] + prompts["D"][:40]
+    tail, why_tail = _routed(aware, text_of(shared))
+    assert "chunks held" in why_tail and _cached(tail) == 160 // BLOCK * BLOCK, (why_tail, tail["usage"])
+
     # round-robin: the second copy of a prompt lands on the other replica, which computes it all again
     c1, _ = _routed(rr, text_of(prompts["C"]))
     c2, why = _routed(rr, text_of(prompts["C"]))
     assert why == "round-robin" and _cached(c1) == 0 and _cached(c2) == 0, (why, c1["usage"], c2["usage"])
     direct = completion(replicas["a"], text_of(prompts["C"]))["choices"][0]["token_ids"]
     assert c1["choices"][0]["token_ids"] == c2["choices"][0]["token_ids"] == direct[:4]
+
+    # a dead replica is ejected: every request still succeeds, on the one left
+    replicas["procs"]["a"].kill()
+    replicas["procs"]["a"].wait(30)
+    for name in ("A", "B"):  # one of them was held by the dead replica
+        assert _routed(aware, text_of(prompts[name]))[0]["choices"]  # 200, or _routed fails
+    answer, _ = _routed(aware, text_of(prompts["C"]))
+    assert answer["choices"][0]["token_ids"] == c1["choices"][0]["token_ids"]
