@@ -351,3 +351,38 @@ def test_the_bench_times_ucx_as_deployed(ids: str) -> None:
 
     timing = two_processes(Point(SHAPES["tiny"], 64, ids=ids, requests=2), reps=2)
     assert len(timing.samples) == 2 and all(0 < s < 10 for s in timing.samples)
+
+
+def _huge_kib(address: int, nbytes: int) -> int:
+    """AnonHugePages (KiB) of the mappings overlapping ``[address, address + nbytes)``, from /proc/self/smaps
+    (madvise splits a mapping at the 2 MiB boundaries it was given)."""
+    inside, total = False, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < address + nbytes and address < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_a_cpu_kv_is_backed_by_huge_pages_and_keeps_its_bytes() -> None:
+    """The worker's registration collapses a CPU KV onto 2 MiB pages (cma reads then walk 512x fewer
+    pages); every byte stays what it was. Where the kernel refuses (before Linux 6.1, THP off) it is 0
+    bytes and nothing changes."""
+    from kvbridge.connectors.ucx.hugepages import HUGE, back_with_huge_pages
+
+    from kvbridge.layout import KVLayout
+
+    base = torch.empty((4, 16 << 20), dtype=torch.bfloat16)  # 4 layers x 32 MiB, on small pages
+    base.view(torch.int16).random_()
+    before = base.clone()
+    layout = KVLayout.from_tensors({f"l{i}": base[i].view(512, 8, 16, 256) for i in range(4)}, block_size=16)
+    done = back_with_huge_pages(layout)
+    assert torch.equal(base.view(torch.int16), before.view(torch.int16))
+    if done == 0:
+        pytest.skip("the kernel refused MADV_COLLAPSE here (before Linux 6.1, or THP off): nothing changed")
+    assert done % HUGE == 0 and done >= base.numel() * 2 - 2 * HUGE
+    assert _huge_kib(base.data_ptr(), base.numel() * 2) * 1024 >= done

@@ -39,6 +39,8 @@ class UcxOptions:
       the consumer), "two-sided" (tag sends served by the producer's Python). See
       :mod:`kvbridge.connectors.ucx.onesided`.
     - ``token``: shared token of the metadata plane (both sides must agree).
+    - ``huge_pages``: back a CPU KV with transparent huge pages at registration (default on; see
+      :mod:`kvbridge.connectors.ucx.hugepages`): one-sided ``cma`` reads then walk 2 MiB pages.
     """
 
     advertise_host: str = "127.0.0.1"
@@ -53,6 +55,7 @@ class UcxOptions:
     ucx_tls: str = ""
     token: str | None = None
     lane: Literal["auto", "cma", "ucp", "ucp-unsafe", "two-sided"] = "auto"
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         require(bool(self.advertise_host), "advertise_host must not be empty")

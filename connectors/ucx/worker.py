@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+from kvbridge.connectors.ucx import hugepages
 from kvbridge.connectors.ucx import runtime as rtmod
 from kvbridge.connectors.ucx.options import UcxOptions, UcxStats
 from kvbridge.connectors.ucx.params import PLAN, UcxPlan
@@ -42,6 +43,8 @@ class UcxWorker(WorkerSide):
 
     def register(self, layout: KVLayout) -> None:
         super().register(layout)
+        if self.options.huge_pages and self.options.lane != "two-sided":
+            hugepages.back_with_huge_pages(layout)  # before anyone reads it one-sided
         if self.engine.role in ("producer", "both"):
             self.server = Server(self.options, self.engine, layout, self.rt, self.stats)
         if self.engine.role in ("consumer", "both"):

@@ -126,9 +126,25 @@ def _mooncake_engine() -> Any:
     return TransferEngine()
 
 
+def huge_pages(buf: np.ndarray, spec: dict[str, Any]) -> None:
+    """With ``spec["huge_pages"]``, back ``buf`` with 2 MiB pages (``MADV_HUGEPAGE`` + ``MADV_COLLAPSE``), as
+    kvbridge's ucx worker backs its KV (kvbridge/connectors/ucx/hugepages.py); a refusal leaves it as it is."""
+    if not spec.get("huge_pages"):
+        return
+    import ctypes
+
+    libc, huge = ctypes.CDLL(None, use_errno=True), 2 << 20
+    start = -(-int(buf.ctypes.data) // huge) * huge
+    end = (int(buf.ctypes.data) + buf.nbytes) // huge * huge
+    for advice in (14, 25):  # MADV_HUGEPAGE, MADV_COLLAPSE
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
+
+
 def serve(spec: dict[str, Any]) -> None:
     # producer_seed: only tests set it, to prove a consumer that gets other bytes than it expects fails
     pool = pattern({**spec, "seed": spec.get("producer_seed", spec["seed"])})
+    huge_pages(pool, spec)
     base = int(pool.ctypes.data)
     info: dict[str, Any] = {"pid": os.getpid(), "base": base}
     keep: list[Any] = []
@@ -188,7 +204,7 @@ def _cma(spec: dict[str, Any], peer: dict[str, Any], local: np.ndarray) -> tuple
             if got != want:
                 raise AssertionError(f"cma_read moved {got} of {want} bytes")
 
-        return read, f"kvbridge._ucp.cma_read, {len(remote)} descriptors"
+        return read, f"kvbridge._ucp.cma_read, {len(remote)} descriptors{', 2 MiB pages' if spec.get('huge_pages') else ''}"
     if not spec.get("allow_fallback"):
         raise SystemExit(f"kvbridge._ucp not loaded: {why}")
     return _ctypes_pvr(peer["pid"], remote, laddr, lengths), f"ctypes process_vm_readv (kvbridge._ucp: {why})"
@@ -334,6 +350,7 @@ def _mooncake(spec: dict[str, Any], peer: dict[str, Any], local: np.ndarray, kee
 def read(spec: dict[str, Any]) -> None:
     nbytes = spec["layers"] * spec["num_blocks"] * spec["block_bytes"]
     local = np.full(nbytes, POISON, dtype=np.uint8)  # resident before anything is registered or timed
+    huge_pages(local, spec)
     check = checker(spec, local)
     peer = _read_spec()  # the producer's line, relayed by the parent
     keep: list[Any] = []

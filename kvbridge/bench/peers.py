@@ -82,6 +82,7 @@ class Peer:
     error_handling: bool = True
     progress_thread: bool = False
     one_buffer: bool = False
+    huge_pages: bool = False  # both buffers on 2 MiB pages, as kvbridge's ucx worker backs its KV
 
     def missing(self) -> str | None:
         """Why this row cannot run here (a package or module absent), or None. Imports nothing heavy."""
@@ -104,7 +105,9 @@ class Peer:
 
 
 PEERS: dict[str, Peer] = {
-    "cma": Peer("cma"),
+    # the raw medium of kvbridge's same-host lane, on the pages kvbridge reads (huge); the other rows run
+    # as their systems allocate (a user's torch-allocated KV: small pages)
+    "cma": Peer("cma", huge_pages=True),
     "ucp-get:tcp": Peer("ucp", "tcp", error_handling=True, one_buffer=True),
     "ucp-get:sm": Peer("ucp", "sm", error_handling=False, one_buffer=True),
     "nixl:tcp": Peer("nixl", "tcp", error_handling=True, progress_thread=False),
