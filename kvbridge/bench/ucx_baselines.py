@@ -147,12 +147,11 @@ def two_processes(point: Point, reps: int, progress_mode: str = "thread") -> Tim
                 consumer.worker.start_step(plan)
                 consumer.worker.finish_step()
                 while waiting:
+                    consumer.worker.wait_idle(1.0)  # blocks, as an engine's idle step does: no polling thread beside the read
                     report = consumer.worker.poll()
                     failed |= report.failed_blocks
                     waiting -= report.finished_loading
                     consumer.scheduler.on_report(report)
-                    if waiting:
-                        time.sleep(0.0001)
                 dt = time.perf_counter() - t0
                 if failed:
                     raise Unavailable(f"{len(failed)} blocks failed to load")
