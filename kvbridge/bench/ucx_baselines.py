@@ -4,10 +4,10 @@
 
 :func:`measure` runs, in one go and with the same byte count:
 
-- ``kvbridge ucx``: a producer engine in a child process holds a request of ``tokens`` tokens of
-  Llama-3-8B KV (32 layers x 8 KV heads x 128, bf16, 128 KiB/token) in *scattered* blocks; this
-  process's consumer engine pulls it (timed: ``start_step`` to the ``poll`` that reports it), bytes
-  checked once by sha256;
+- ``kvbridge ucx`` (:func:`two_processes`, also what ``kvbridge bench`` times for ``ucx``): a producer
+  engine in a child process holds the requests of a bench point (here ``tokens`` tokens of Llama-3-8B KV,
+  32 layers x 8 KV heads x 128, bf16, 128 KiB/token, in *scattered* blocks); this process's consumer
+  engine pulls them (timed: ``start_step`` until the last is reported), bytes checked once by sha256;
 - ``raw ucxx``: one tag send of a single contiguous buffer of those bytes from a child process, over a
   worker-address endpoint with error handling off — the same UCX set-up (and ``UCX_TLS``) the backend
   uses, received through the backend's own runtime in this process;
