@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,14 +89,20 @@ def pd_servers(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, int]]:
             wait_healthy(port, proc, log, deadline)
         yield {**ports, "procs": by_role, "tmp": tmp_path, "model": tiny_model}  # type: ignore[dict-item]
     finally:
-        for proc, _, _ in procs:
-            proc.terminate()
-        for proc, _, _ in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(p for p, _, _ in procs)
+
+
+def stop_all(procs: Iterable[subprocess.Popen]) -> None:
+    """Terminate every server at once, then wait for each (killed after 30 s)."""
+    procs = list(procs)
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def bench_client(port: int, tmp: Path, model: Path, name: str, *, num_prompts: int, wait: bool = True) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from pdkit import BLOCK, PROMPT_LEN, engine_env
-from test_api_server import SERVER_START_S, completion, free_port, text_of, wait_healthy
+from test_api_server import SERVER_START_S, completion, free_port, stop_all, text_of, wait_healthy
 
 FULL_TOKENS = PROMPT_LEN // BLOCK * BLOCK
 
@@ -58,14 +58,7 @@ def replicas(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
             wait_healthy(port, proc, log, deadline)
         yield {**ports, "procs": {"a": procs[0][0], "b": procs[1][0]}}
     finally:
-        for proc, _, _ in procs:
-            proc.terminate()
-        for proc, _, _ in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(p for p, _, _ in procs)
 
 
 def _routed(port: int, prompt: str) -> tuple[dict, str]:
