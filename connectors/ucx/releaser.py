@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 
 from kvbridge.connectors.ucx.options import UcxOptions
@@ -29,6 +30,8 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.metadata.client import MetadataClient
 
 log = logging.getLogger(__name__)
+
+BATCH_S = 0.002  # how long a release waits for others to go with it (and for its load's report to go first)
 
 
 class Releaser:
@@ -50,12 +53,31 @@ class Releaser:
         self._queue.put((tuple(dict.fromkeys(a for a in addresses if a)), source, aborted))
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            addresses, src, aborted = item
-            for address in addresses:
-                self._send(address, src, aborted)
+        while (batch := self._batch()) is not None:
+            for addresses, src, aborted in batch:
+                for address in addresses:
+                    self._send(address, src, aborted)
         for client in self._clients.values():
             client.close()
+
+    def _batch(self) -> list[tuple[tuple[str, ...], UcxSource, bool]] | None:
+        """The next releases: the first queued, and whatever else comes within ``BATCH_S`` of it. The wait
+        also lets the load that queued a release reach its engine first: sent at once, the release's
+        Python (gRPC, protobuf) took the GIL the engine thread needed to see the load done (+0.7 ms at 8 MiB)."""
+        first = self._queue.get()
+        if first is None:
+            return None
+        batch, deadline = [first], time.monotonic() + BATCH_S
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                item = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if item is None:
+                self._queue.put(None)  # stop after this batch
+                break
+            batch.append(item)
+        return batch
 
     def _send(self, address: str, src: UcxSource, aborted: bool) -> None:
         client = self._clients.get(address)
