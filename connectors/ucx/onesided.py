@@ -290,20 +290,24 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str) -> Sour
     return Source("ucp" if lane != "ucp-unsafe" else lane, addressing, num_blocks, ep=ep, layer_rkey=layer_rkey)
 
 
-def _probe(pid: int, probe: bytes) -> bool:
+def _peek(pid: int, address: int, out: np.ndarray) -> bool:
+    """Fill ``out`` from ``address`` in process ``pid`` with one ``process_vm_readv``; ``False`` if it failed."""
     mod, _ = native.load()
+    assert mod is not None
+    try:
+        mod.cma_read(pid, np.array([address], dtype=np.uint64), np.array([out.ctypes.data], dtype=np.uint64),
+                     np.array([out.nbytes], dtype=np.uint64))
+    except OSError as exc:
+        log.info("cma read of %d bytes at pid %d failed: %s", out.nbytes, pid, exc)
+        return False
+    return True
+
+
+def _probe(pid: int, probe: bytes) -> bool:
     addr, _, nonce = probe.decode().partition(":")
     want = bytes.fromhex(nonce)
     got = np.zeros(len(want), dtype=np.uint8)
-    one = np.ones(1, dtype=np.uint64)
-    try:
-        assert mod is not None
-        mod.cma_read(pid, np.array([int(addr)], dtype=np.uint64), np.array([got.ctypes.data], dtype=np.uint64),
-                     one * len(want))
-    except OSError as exc:
-        log.info("cma probe of pid %d failed: %s", pid, exc)
-        return False
-    return got.tobytes() == want
+    return _peek(pid, int(addr), got) and got.tobytes() == want
 
 
 def sealed(src: Source, seal: Seal) -> bool:
@@ -313,15 +317,8 @@ def sealed(src: Source, seal: Seal) -> bool:
     slot, word = seal
     if src.lane != "cma" or not address or not 0 <= slot < slots or not word:
         return False
-    mod, _ = native.load()
     got = np.zeros(1, dtype=np.uint64)
-    try:
-        assert mod is not None
-        mod.cma_read(src.pid, np.array([address + 8 * slot], dtype=np.uint64), np.array([got.ctypes.data], dtype=np.uint64),
-                     np.array([8], dtype=np.uint64))
-    except OSError:
-        return False
-    return int(got[0]) == word
+    return _peek(src.pid, address + 8 * slot, got) and int(got[0]) == word
 
 
 def read(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.ndarray, local_ids: np.ndarray,

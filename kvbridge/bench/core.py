@@ -209,6 +209,15 @@ def fill_random(t: torch.Tensor, seed: int = 0) -> None:
     torch.randint(lo, hi, flat.shape, generator=g, dtype=flat.dtype, out=flat)
 
 
+def request_blocks(point: Point, num_blocks: int, seed: int, requests: int | None = None) -> list[list[int]]:
+    """Each request's block ids (its full blocks and the partial last one): consecutive runs of a random
+    permutation of ``num_blocks`` (``point.ids == "scattered"``, seeded) or of ``0..num_blocks``. The one
+    rule for the bench's pools, its peers and ucx's two-process case, so they all move the same request."""
+    n = point.blocks_per_request + 1
+    order = np.random.default_rng(seed).permutation(num_blocks) if point.ids == "scattered" else np.arange(num_blocks)
+    return [order[k * n : (k + 1) * n].tolist() for k in range(point.requests if requests is None else requests)]
+
+
 class KVPool:
     """One engine's side of a benchmark: a paged KV cache of random bytes, a scheduler and a worker.
 
@@ -249,12 +258,7 @@ class KVPool:
         self.info, self.scheduler, self.worker = open_engine(
             backend, self.layout, engine_id=engine_id, role=role, namespace=namespace
         )
-        order = (
-            np.random.default_rng(seed).permutation(self.num_blocks)
-            if point.ids == "scattered"
-            else np.arange(self.num_blocks)
-        )
-        runs = [tuple(order[i * per_request : (i + 1) * per_request].tolist()) for i in range(point.requests * sets)]
+        runs = [tuple(r) for r in request_blocks(point, self.num_blocks, seed, point.requests * sets)]
         self.blocks = [runs[s * point.requests : (s + 1) * point.requests] for s in range(sets)]
 
     def close(self) -> None:

@@ -58,10 +58,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-import numpy as np
-
 from kvbridge.bench.baselines import Unavailable
-from kvbridge.bench.core import SHAPES, Point, Timing
+from kvbridge.bench.core import SHAPES, Point, Timing, request_blocks
 
 INSTALL = "pip install 'kvbridge[peers]'"
 
@@ -125,11 +123,8 @@ def spec(name: str, point: Point, reps: int, *, warmup: int = 1, timeout_s: floa
     per_request = point.blocks_per_request + 1  # the partial last block of each prompt, as KVPool allocates
     num_blocks = per_request * point.requests
 
-    def ids(seed: int) -> list[int]:
-        order = (np.random.default_rng(seed).permutation(num_blocks) if point.ids == "scattered"
-                 else np.arange(num_blocks))  # fmt: skip
-        runs = [order[i * per_request : (i + 1) * per_request][: point.blocks_per_request] for i in range(point.requests)]
-        return [int(b) for run in runs for b in run]
+    def ids(seed: int) -> list[int]:  # full blocks only: the partial last one is not moved
+        return [b for run in request_blocks(point, num_blocks, seed) for b in run[: point.blocks_per_request]]
 
     return {
         "name": name,

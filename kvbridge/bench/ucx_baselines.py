@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from kvbridge.bench.baselines import BASELINES, Unavailable
-from kvbridge.bench.core import SHAPES, Point, Timing
+from kvbridge.bench.core import SHAPES, Point, Timing, request_blocks
 
 BLOCK_BYTES = 32 * 8 * 16 * 2 * 128 * 2  # one block of every layer: 2 MiB
 
@@ -89,13 +89,6 @@ def _engine(point: Point, role: Literal["producer", "consumer"], seed: int, regi
                       dtype=shape.dtype)  # fmt: skip
 
 
-def _request_ids(point: Point, num_blocks: int, seed: int) -> list[list[int]]:
-    """Each request's block ids: runs of a random permutation (``scattered``) or consecutive runs."""
-    n = point.blocks_per_request + 1  # with the partial last block each prompt has
-    order = np.random.default_rng(seed).permutation(num_blocks) if point.ids == "scattered" else np.arange(num_blocks)
-    return [order[i * n : (i + 1) * n].tolist() for i in range(point.requests)]
-
-
 def _producer(registry: str, point_json: str, progress_mode: str) -> None:
     from kvbridge.contract import RequestInfo
 
@@ -103,7 +96,7 @@ def _producer(registry: str, point_json: str, progress_mode: str) -> None:
     engine = _engine(point, "producer", 1, registry, progress_mode)
     for t in engine.kv.values():
         t.view(torch.int16).random_()  # random bits: nothing compresses, nothing is all-zero
-    runs = _request_ids(point, engine.layout.num_blocks, 1)
+    runs = request_blocks(point, engine.layout.num_blocks, 1)
     full = point.blocks_per_request
     digest = hashlib.sha256(b"".join(engine.read(ids[:full]).numpy().tobytes() for ids in runs)).hexdigest()
     print(json.dumps({"sha256": digest}), flush=True)
@@ -133,7 +126,7 @@ def two_processes(point: Point, reps: int, progress_mode: str = "thread") -> Tim
         try:
             digest = _line(proc)["sha256"]
             consumer = _engine(point, "consumer", 2, registry, progress_mode)
-            runs = _request_ids(point, consumer.layout.num_blocks, 2)
+            runs = request_blocks(point, consumer.layout.num_blocks, 2)
             full, tokens = point.blocks_per_request, list(range(point.blocks_per_request * point.block_size + 1))
             samples = []
             for i in range(reps + 1):
