@@ -207,7 +207,6 @@ class CpuPool(StoreIO):
         # index_copy_ into rows of int32 runs ~1.3-2x faster than into a 4-d bf16 block view; index_select
         # is the other way round, so gathers keep the layout's typed views)
         self._words: list[tuple[Any, Any]] | None = None
-        self._typed: list[torch.Tensor] = []  # per layer: the pool as [slots, *block_shape] of the KV dtype
 
     def attach(self, layout: KVLayout) -> None:
         slot_bytes = layout.num_layers * layout.block_bytes
@@ -227,7 +226,6 @@ class CpuPool(StoreIO):
             kv = [block_words(v, torch.int32) for v in layout.layers]
             if all(w is not None for w in kv):
                 self._words = list(zip(kv, (block_words(self.pool[i], torch.int32) for i in range(layout.num_layers))))
-                self._typed = [p.view(layout.dtype).view(num_slots, *layout.block_shape) for p in self.pool]
 
     def _pool(self) -> torch.Tensor:
         if self.pool is None:
@@ -276,12 +274,12 @@ class CpuPool(StoreIO):
         elif n and self._words is not None:
             ids, slot_runs = layout.check_ids(op.block_ids[:n]), coalesce(slots[:n])
             at = torch.as_tensor(slots[:n])
-            for layer, (kv, _) in enumerate(self._words):
+            for layer, (kv, slab) in enumerate(self._words):
                 if len(slot_runs) == 1:
-                    src = pool[layer, slot_runs[0][0] : slot_runs[0][0] + n]
-                else:  # a typed dim-0 select: torch's uint8 select over the pool's slot axis crawls
-                    src = self._typed[layer].index_select(0, at)
-                kv.index_copy_(0, ids, _int32_rows(src))
+                    src = _int32_rows(pool[layer, slot_runs[0][0] : slot_runs[0][0] + n])
+                else:  # a select of int32 rows: torch's uint8 select over the pool's slot axis crawls
+                    src = slab.index_select(0, at)
+                kv.index_copy_(0, ids, src)
         elif n:
             _copy_in(pool, slots[:n], op.block_ids[:n], layout)
         return op.block_ids[n:]

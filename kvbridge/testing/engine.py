@@ -25,7 +25,7 @@ from kvbridge.contract import (
 )
 from kvbridge.errors import TransferTimeout
 from kvbridge.keys import block_keys
-from kvbridge.layout import BLOCKS_FIRST, KVLayout
+from kvbridge.layout import BLOCKS_FIRST, MLA, KVLayout
 
 Corrupt = Callable[["MiniEngine", "MiniEngine", Sequence[bytes]], int]
 Vanish = Callable[["MiniEngine", "MiniEngine"], None]
@@ -129,6 +129,7 @@ class MiniEngine:
         block_size: int = 16,
         dtype: torch.dtype = torch.bfloat16,
         kv_format: str = BLOCKS_FIRST,
+        kv_dtype: str | None = None,
         namespace: str = "mini",
         seed: int = 0,
         device: str = "cpu",
@@ -136,11 +137,13 @@ class MiniEngine:
         self.block_size = block_size
         if kv_format == BLOCKS_FIRST:  # one allocation, per-layer [B, H, N, 2D] views (vLLM >= 0.26)
             shape: tuple[int, ...] = (num_layers, num_blocks, num_kv_heads, block_size, 2 * head_size)
+        elif kv_format == MLA:  # per-layer [B, N, latent] (``head_size`` is the latent; no heads)
+            shape = (num_layers, num_blocks, block_size, head_size)
         else:  # per-layer [2, B, N, H, D] (older vLLM)
             shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_size)
         base = torch.zeros(shape, dtype=dtype, device=device)
         self.kv = {f"model.layers.{i}.self_attn": base[i] for i in range(num_layers)}
-        self.layout = KVLayout.from_tensors(self.kv, block_size=block_size)
+        self.layout = KVLayout.from_tensors(self.kv, block_size=block_size, kv_dtype=kv_dtype)
         self.info, self.scheduler, self.worker = open_engine(
             backend, self.layout, engine_id=engine_id, role=role, namespace=namespace
         )
