@@ -12,6 +12,9 @@ alone::
 
     <path>/<sha256(namespace)[:16]>/<rank>/v2-<C>/<name[:2]>/<name>     name = key.hex() (or a hash, see below)
 
+(``<rank>`` is ``0`` for every rank of an engine whose ranks all hold the same KV, MLA's latent cache:
+rank 0 writes it, every rank and a consumer of any tensor-parallel size reads it.)
+
 so a key, whatever its bytes, names a file of hex digits under the root and can never escape it. The
 locator of a chunk's *last* block is the chunk's object itself; the locators of its other blocks are
 symbolic links to it (``../<name[:2]>/<name>``). Every object starts where its chunk starts, so
@@ -311,7 +314,7 @@ class _Tree:
         self.root = os.path.abspath(options.path)
         self.chunk = chunk_blocks(engine.block_size, options.chunk_tokens)
         ns = hashlib.sha256(engine.namespace.encode()).hexdigest()[:16]
-        self.dir = os.path.join(self.root, ns, str(engine.rank), f"v{VERSION}-{self.chunk}")
+        self.dir = os.path.join(self.root, ns, str(engine.kv_rank), f"v{VERSION}-{self.chunk}")
 
     def path_of(self, key: bytes) -> str:
         """The locator of ``key``: its chunk's object (the chunk's last block), or a link to it."""
@@ -609,7 +612,7 @@ class FsStore(_Tree, StoreIO):
 
     # -- saves ---------------------------------------------------------------------------------------
     def save(self, op: BlockSave, layout: KVLayout) -> None:
-        if not op.keys:
+        if not op.keys or self.engine.rank != self.engine.kv_rank:  # rank 0 writes the bytes every rank holds
             return
         _check_ids(op.block_ids, layout)
         target = op.target if isinstance(op.target, FsSave) else FsSave()

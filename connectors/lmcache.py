@@ -324,7 +324,7 @@ class _Handle:
         self.options = options
         self._lib = _lmcache()
         self._model = f"{options.model_name}-{hashlib.sha256(engine.namespace.encode()).hexdigest()[:16]}"
-        longest = self._lib.CacheEngineKey(self._model, engine.world_size, engine.rank, bytes(_MAX_HASH), torch.uint8)
+        longest = self._lib.CacheEngineKey(self._model, engine.kv_world_size, engine.kv_rank, bytes(_MAX_HASH), torch.uint8)
         if len(longest.to_string()) > _KEY_LIMIT:
             raise ConfigError(f"lmcache keys of {self._model!r} would exceed LMCache's {_KEY_LIMIT} characters")
         self._manager: _Manager | None = _acquire(options)
@@ -337,7 +337,7 @@ class _Handle:
     def lmcache_key(self, key: bytes) -> Any:
         """The LMCache ``CacheEngineKey`` that holds block ``key`` of this engine's namespace and rank."""
         chunk = key if 0 < len(key) <= _MAX_HASH else hashlib.blake2b(key, digest_size=_MAX_HASH).digest()
-        return self._lib.CacheEngineKey(self._model, self.engine.world_size, self.engine.rank, chunk, torch.uint8)
+        return self._lib.CacheEngineKey(self._model, self.engine.kv_world_size, self.engine.kv_rank, chunk, torch.uint8)
 
     def _open(self) -> _Manager:
         if self._manager is None:

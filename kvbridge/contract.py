@@ -58,6 +58,8 @@ class EngineInfo:
     keys. ``rank``/``world_size`` name this worker's shard under tensor parallelism.
     ``block_bytes`` is the size of one block across all layers of this rank (0 if unknown): the
     scheduler side has no KV tensors, and a store that sizes a pool there (``cpu``) needs it.
+    ``kv_replicated``: every rank holds the same KV (MLA's latent cache is not split by heads), so
+    there is one copy to share, rank 0's (:attr:`kv_rank`), whatever the tensor-parallel size.
     """
 
     engine_id: str
@@ -67,6 +69,18 @@ class EngineInfo:
     rank: int = 0
     world_size: int = 1
     block_bytes: int = 0
+    kv_replicated: bool = False
+
+    @property
+    def kv_rank(self) -> int:
+        """Whose copy of the KV this worker shares with other engines: its own, or rank 0's where
+        every rank holds the same bytes."""
+        return 0 if self.kv_replicated else self.rank
+
+    @property
+    def kv_world_size(self) -> int:
+        """How many different shards of the KV the engine's ranks hold (1 where all hold the same)."""
+        return 1 if self.kv_replicated else self.world_size
 
 
 @dataclasses.dataclass(frozen=True)

