@@ -69,7 +69,7 @@ import numpy as np
 
 from kvbridge import native
 from kvbridge.errors import LayoutMismatch, PeerUnreachable, ProtocolError, TransferTimeout
-from kvbridge.layout import BlockAddressing, KVLayout
+from kvbridge.layout import BlockAddressing, Cut, KVLayout
 from kvbridge.metadata.types import PeerInfo
 
 log = logging.getLogger(__name__)
@@ -251,16 +251,21 @@ class Source:
             self.ep = None
 
 
-def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str) -> Source | None:
+def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cut | None = None) -> Source | None:
     """The way to read ``theirs`` one-sided under ``lane``, or ``None`` when it did not export its KV
-    (an older or two-sided producer: the caller falls back). Raises when ``lane`` names one that fails."""
+    (an older or two-sided producer: the caller falls back). Raises when ``lane`` names one that fails.
+    With ``cut`` (another tensor-parallel size), the source addresses only those bytes of each block."""
     t = theirs.transport
     if ADDRESSING not in t:
         if lane in ("cma", "ucp", "ucp-unsafe"):
             raise ProtocolError(f"producer {theirs.engine_id} offers no one-sided access (lane={lane!r})")
         return None
     addressing = BlockAddressing.from_json(t[ADDRESSING])
-    layout.addressing().check_compatible(addressing)
+    if cut is not None:
+        addressing = addressing.narrowed(cut.src, cut.length)
+        layout.addressing().narrowed(cut.dst, cut.length).check_compatible(addressing)
+    else:
+        layout.addressing().check_compatible(addressing)
     num_blocks = int(t.get(BLOCKS, b"0"))
     host_kv = t.get(MEMORY, b"host") == b"host" and layout.device.type == "cpu"
     if lane in ("auto", "cma") and host_kv:

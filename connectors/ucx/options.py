@@ -84,6 +84,7 @@ class UcxStats(TransferStats):
     refused_handoffs: int = 0  # consumer: transfer params it could not use (expired, malformed, altered)
     unpulled_handoffs: int = 0  # consumer: hand-offs released without a pull (all cached here, ended first)
     sealed_loads: int = 0  # consumer: one-sided reads confirmed by the producer's seal (no round trip)
+    resliced_loads: int = 0  # consumer: loads cut out of a producer of another tensor-parallel size
 
 
 __all__ = ["UcxOptions", "UcxStats"]

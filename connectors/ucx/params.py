@@ -80,6 +80,20 @@ class UcxSource:
             seal=seal_of(params),
         )
 
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The metadata address of each producer rank, in rank order."""
+        return self.metadata_addresses or (self.metadata_address,)
+
+    @property
+    def ranks(self) -> int:
+        """The producer's tensor-parallel size."""
+        return len(self.addresses)
+
+    def resliced(self, world_size: int) -> bool:
+        """Whether a consumer of ``world_size`` ranks cuts its blocks out of other ranks' (:func:`~kvbridge.layout.reslice`)."""
+        return self.ranks != world_size
+
 
 def seal_of(params: Mapping[str, Any]) -> onesided.Seal:
     """The seal in (checked) transfer params: ``"seal": [slot, "<16 hex digits>"]``, or none."""

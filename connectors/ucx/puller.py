@@ -36,7 +36,7 @@ from kvbridge.connectors.ucx.staging import StagingPool, bury, chunk, sync
 from kvbridge import native
 from kvbridge.contract import BlockLoad, EngineInfo
 from kvbridge.errors import KVBridgeError, PeerUnreachable, ProtocolError, TransferError, TransferTimeout
-from kvbridge.layout import KVLayout
+from kvbridge.layout import BlockAddressing, Cut, KVLayout, LayoutFingerprint, reslice
 from kvbridge.metadata.client import MetadataClient
 from kvbridge.metadata.types import PeerInfo
 
@@ -95,7 +95,7 @@ class Puller:
             return src.metadata_address
         raise ProtocolError(f"the producer published no metadata address for rank {self.engine.rank}")
 
-    def _peer(self, address: str, src: UcxSource) -> _Peer:
+    def _peer(self, address: str, src: UcxSource, resliced: tuple[LayoutFingerprint, Cut] | None = None) -> _Peer:
         with self._lock:
             lock = self._peer_locks[address]
         with lock:  # one handshake per producer, even with many loads starting at once
@@ -104,18 +104,28 @@ class Puller:
                 return peer
             client = MetadataClient(address, token=self.options.token, timeout=self.options.timeout_s / 2, retries=1)
             try:
-                peer = self._handshake(client, src)
+                peer = self._handshake(client, src, resliced)
             except BaseException:
                 client.close()
                 raise
             self._peers[address] = peer
             return peer
 
-    def _handshake(self, client: MetadataClient, src: UcxSource) -> _Peer:
+    def _handshake(self, client: MetadataClient, src: UcxSource, resliced: tuple[LayoutFingerprint, Cut] | None) -> _Peer:
         lane = self.options.lane
         mod, why = native.load() if lane != "two-sided" else (None, "lane='two-sided'")
         if mod is None and lane != "auto" and lane != "two-sided":
             raise PeerUnreachable(f"lane={lane!r} needs the native module: {why}")
+        if resliced is not None:  # another TP size: we ask for blocks of the layout its ranks must have
+            if mod is None:
+                raise PeerUnreachable(f"re-slicing KV across TP sizes needs a one-sided lane: {why}")
+            theirs_fp, cut = resliced
+            ask = onesided.encode_ask(src.remote_request_id, src.grant)
+            theirs = client.handshake(PeerInfo(self.info.engine_id, self.info.rank, theirs_fp, {onesided.ASK: ask}))
+            source = onesided.open_source(theirs, self.layout, lane, self.options.ucx_tls, cut)
+            if source is None:
+                raise ProtocolError(f"producer {theirs.engine_id} offers no one-sided access, which re-slicing needs")
+            return _Peer(client, theirs, source=source)
         if mod is not None:  # ask for one-sided access, naming the hand-off that entitles us to it
             ask = onesided.encode_ask(src.remote_request_id, src.grant)
             theirs = client.handshake(dataclasses.replace(self.info, transport={onesided.ASK: ask}))
@@ -141,6 +151,8 @@ class Puller:
         if not isinstance(src, UcxSource):  # not a plan of a ucx scheduler: nothing to pull from
             log.error("%s: load of %s names no ucx source (%r)", self.engine.engine_id, op.request_id, type(src).__name__)
             return set(op.block_ids)
+        if src.resliced(self.engine.world_size):
+            return self._read_resliced(op, src)
         address = ""
         try:
             address = self._address(src)
@@ -208,12 +220,41 @@ class Puller:
         self._count(op, t0, sealed=False)
         return set()
 
+    def _read_resliced(self, op: BlockLoad, src: UcxSource) -> set[int]:
+        """Another TP size on the producer: read this rank's heads out of every producer rank holding some
+        (:func:`~kvbridge.layout.reslice`), one-sided. The bytes count only if every one of those ranks
+        still seals the hand-off after the read; no release here (other ranks of ours may be reading the
+        same producer rank): the scheduler releases every producer rank once all of ours report."""
+        t0 = time.perf_counter()
+        try:
+            theirs, cuts = reslice(self.layout.fingerprint, self.engine.rank, self.engine.world_size, src.ranks)
+            for q, cut in cuts.items():
+                address = src.addresses[q]
+                peer = self._peer(address, src, (theirs, cut))
+                assert peer.source is not None
+                try:
+                    self._read_blocks(peer.source, op, src, self.addressing.narrowed(cut.dst, cut.length))
+                except BaseException:
+                    self._drop(address)  # a dead or restarted producer: handshake anew next time
+                    raise
+                if not onesided.sealed(peer.source, src.seal):
+                    raise ProtocolError(f"producer rank {q} no longer sealed the hand-off after the read "
+                                        f"({peer.source.lane} lane; a re-sliced read counts only under a seal)")
+        except Exception as exc:  # noqa: BLE001 - nothing counts; the engine recomputes every block
+            log.warning("%s: re-sliced read of %s from %s (tp=%d to tp=%d) failed: %s: %s", self.engine.engine_id,
+                        op.request_id, src.engine_id, src.ranks, self.engine.world_size,
+                        type(exc).__name__, exc)
+            return set(op.block_ids)
+        self._count(op, t0, sealed=True)
+        self.stats.add(resliced_loads=1)
+        return set()
+
     def _count(self, op: BlockLoad, t0: float, *, sealed: bool) -> None:
         nbytes = len(op.block_ids) * self.layout.num_layers * self.layout.block_bytes
         self.stats.add(load_bytes=nbytes, load_blocks=len(op.block_ids), load_seconds=time.perf_counter() - t0,
                        sealed_loads=int(sealed))
 
-    def _read_blocks(self, source: onesided.Source, op: BlockLoad, src: UcxSource) -> None:
+    def _read_blocks(self, source: onesided.Source, op: BlockLoad, src: UcxSource, mine: BlockAddressing | None = None) -> None:
         """The read itself, after the checks that make it safe to start; raises on any failure."""
         rid = src.remote_request_id
         remote = np.asarray(src.remote_block_ids, dtype=np.int64)
@@ -223,7 +264,7 @@ class Puller:
             raise ProtocolError(f"transfer params of {rid} carry no grant: a one-sided read needs one")
         if src.expires_at < time.time():
             raise ProtocolError(f"the lease of {rid} at {src.engine_id} is over")
-        onesided.read(source, self.layout, self.addressing, remote, np.asarray(op.block_ids, dtype=np.int64),
+        onesided.read(source, self.layout, mine or self.addressing, remote, np.asarray(op.block_ids, dtype=np.int64),
                       self.options.timeout_s)
 
     # ---- two-sided ----

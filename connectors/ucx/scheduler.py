@@ -66,6 +66,7 @@ class UcxScheduler(SchedulerSide):
         self._grant_key = onesided.new_key()  # a new engine, a new key: grants of a previous one fail
         self._handoffs = 0  # hand-offs so far: the next one's seal slot
         self._releaser = Releaser(options, engine.engine_id)
+        self._resliced: dict[str, UcxSource] = {}  # loads from another TP size: released here once they end
 
     # ---- consumer ----
     def lookup(self, request: RequestInfo, num_computed_tokens: int) -> Lookup:
@@ -77,13 +78,6 @@ class UcxScheduler(SchedulerSide):
             self._refuse(request.request_id, why)
             return Lookup(0)
         if params["engine_id"] == self.engine.engine_id:
-            return Lookup(0)
-        ranks = len(params.get("metadata_addresses") or ()) or 1
-        if ranks != self.engine.world_size:  # consumer rank r pulls producer rank r's shard: no rank may be missing
-            if request.request_id not in self._refused:
-                self._let_go(request.request_id, UcxSource.of(params, ()), "another TP size")
-            self._refuse(request.request_id, f"the producer has {ranks} ranks, this engine {self.engine.world_size} "
-                         "(re-slicing KV across tensor-parallel sizes is not built)")
             return Lookup(0)
         self._incoming[request.request_id] = _Incoming(params, num_computed_tokens)
         # never more than the named blocks hold: the engine would take the rest as loaded
@@ -114,17 +108,22 @@ class UcxScheduler(SchedulerSide):
         source = UcxSource.of(incoming.params, tuple(map(int, remote[first:last])))
         local = tuple(map(int, block_ids[first:last]))
         self.loads.plan(BlockLoad(request.request_id, local, source=source))
+        if source.resliced(self.engine.world_size):  # our ranks do not release: several may read one of theirs
+            self._resliced[request.request_id] = source
 
     def _let_go(self, request_id: str, src: UcxSource, why: str) -> None:
         """Tell every producer rank that ``request_id`` will not pull ``src`` (see :mod:`.releaser`)."""
         log.debug("%s: %s will not pull %s from %s (%s): releasing it", self.engine.engine_id, request_id,
                   src.remote_request_id, src.engine_id, why)
         self.stats.add(unpulled_handoffs=1)
-        self._releaser.release(src.metadata_addresses or (src.metadata_address,), src, aborted=True)
+        self._releaser.release(src.addresses, src, aborted=True)
 
     def on_report(self, report: WorkerReport) -> None:
         self._check_open()
         self.loads.report(report)  # a pull reserves nothing here: the results only end the loads' tracking
+        for rid in report.finished_loading & self._resliced.keys():  # every rank of ours has read: free theirs
+            src = self._resliced.pop(rid)
+            self._releaser.release(src.addresses, src, aborted=False)
 
     # ---- both ----
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
@@ -144,6 +143,7 @@ class UcxScheduler(SchedulerSide):
         if ending is Ending.IN_FLIGHT:  # a pull still writes into its blocks: freed once the worker reports it
             return FinishDecision(delay_free=True)
         if ending is Ending.DROPPED:  # the pull never started: nothing arrived; the producer may free its blocks
+            self._resliced.pop(request.request_id, None)
             if op is not None and isinstance(op.source, UcxSource):
                 self._let_go(request.request_id, op.source, "ended before its pull")
             return FinishDecision()

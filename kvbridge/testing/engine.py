@@ -85,19 +85,72 @@ def fill_pattern(key: bytes, layer: int, nbytes: int) -> torch.Tensor:
 
 
 def open_engine(
-    backend: Backend, layout: KVLayout, *, engine_id: str, role: Role, namespace: str
+    backend: Backend, layout: KVLayout, *, engine_id: str, role: Role, namespace: str, rank: int = 0,
+    world_size: int = 1, replicated: bool = False,
 ) -> tuple[EngineInfo, SchedulerSide, WorkerSide]:
-    """A backend's two sides for one engine over ``layout`` (registered), as an engine opens them."""
+    """A backend's two sides for one engine over ``layout`` (registered), as an engine opens them (the
+    scheduler only matters on rank 0)."""
     info = EngineInfo(
         engine_id=engine_id,
         block_size=layout.fingerprint.block_size,
         role=role,
         namespace=namespace,
+        rank=rank,
+        world_size=world_size,
         block_bytes=layout.num_layers * layout.block_bytes,
+        kv_replicated=replicated,
     )
     scheduler, worker = backend.scheduler(info), backend.worker(info)
     worker.register(layout)
     return info, scheduler, worker
+
+
+class Ranks:
+    """The workers of one tensor-parallel engine, driven as vLLM drives them: each call goes to every
+    rank, and a request is reported loaded or saved once every rank has reported it (what vLLM's KV
+    output aggregator does); failed blocks of any rank are failed."""
+
+    def __init__(self, workers: Sequence[WorkerSide]):
+        self.workers = list(workers)
+        self._reported: dict[tuple[str, str], int] = {}  # (kind, request id) -> ranks that reported it
+
+    def start_step(self, plan: Any) -> None:
+        for w in self.workers:
+            w.start_step(plan)
+
+    def wait_layer(self, layer: int) -> None:
+        for w in self.workers:
+            w.wait_layer(layer)
+
+    def save_layer(self, layer: int) -> None:
+        for w in self.workers:
+            w.save_layer(layer)
+
+    def finish_step(self) -> None:
+        for w in self.workers:
+            w.finish_step()
+
+    def poll(self) -> WorkerReport:
+        reports = [w.poll() for w in self.workers]
+        return WorkerReport(self._complete("load", [r.finished_loading for r in reports]),
+                            self._complete("save", [r.finished_saving for r in reports]),
+                            frozenset().union(*(r.failed_blocks for r in reports)))
+
+    def _complete(self, kind: str, finished: list[frozenset[str]]) -> frozenset[str]:
+        done = set()
+        for rid in (rid for ids in finished for rid in ids):
+            n = self._reported[kind, rid] = self._reported.get((kind, rid), 0) + 1
+            if n == len(self.workers):
+                del self._reported[kind, rid]
+                done.add(rid)
+        return frozenset(done)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        return all([w.wait_idle(timeout) for w in self.workers])
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
 
 
 def idle_step(scheduler: SchedulerSide, worker: WorkerSide) -> WorkerReport:
@@ -111,9 +164,12 @@ def idle_step(scheduler: SchedulerSide, worker: WorkerSide) -> WorkerReport:
 
 
 class MiniEngine:
-    """One engine (scheduler + one worker) over a real KV cache of ``num_blocks`` blocks.
+    """One engine (scheduler + one worker, or ``tp`` of them) over a real KV cache of ``num_blocks`` blocks.
 
-    Blocks are handed out in a shuffled order, so every request's block ids are scattered.
+    Blocks are handed out in a shuffled order, so every request's block ids are scattered. With
+    ``tp > 1`` the ranks split the ``num_kv_heads`` heads evenly, in order, as vLLM does (each registers
+    a view of its heads of the one KV cache, :attr:`layout`, which the engine computes and tests read);
+    MLA's ranks each hold a whole copy. :attr:`worker` then drives every rank (:class:`Ranks`).
     """
 
     def __init__(
@@ -133,6 +189,7 @@ class MiniEngine:
         namespace: str = "mini",
         seed: int = 0,
         device: str = "cpu",
+        tp: int = 1,
     ):
         self.block_size = block_size
         if kv_format == BLOCKS_FIRST:  # one allocation, per-layer [B, H, N, 2D] views (vLLM >= 0.26)
@@ -144,12 +201,30 @@ class MiniEngine:
         base = torch.zeros(shape, dtype=dtype, device=device)
         self.kv = {f"model.layers.{i}.self_attn": base[i] for i in range(num_layers)}
         self.layout = KVLayout.from_tensors(self.kv, block_size=block_size, kv_dtype=kv_dtype)
-        self.info, self.scheduler, self.worker = open_engine(
-            backend, self.layout, engine_id=engine_id, role=role, namespace=namespace
-        )
+        self.copies = [self.layout]  # what computing a block writes into (one per rank for MLA)
+        ranks = [self.layout] if tp == 1 else self._shards(base, tp, kv_format, num_kv_heads, kv_dtype)
+        opened = [open_engine(backend, layout, engine_id=engine_id, role=role, namespace=namespace, rank=r,
+                              world_size=tp, replicated=kv_format == MLA) for r, layout in enumerate(ranks)]
+        self.info, self.scheduler, self.worker = opened[0]
+        if tp > 1:
+            for _, scheduler, _ in opened[1:]:  # vLLM runs one scheduler, on rank 0
+                scheduler.close()
+            self.worker = Ranks([worker for _, _, worker in opened])  # type: ignore[assignment]
         self._free = list(np.random.default_rng(seed).permutation(num_blocks).tolist())
         self._held: dict[str, list[int]] = {}  # delay_free requests -> their blocks
         self.freed_late: set[str] = set()
+
+    def _shards(self, base: torch.Tensor, tp: int, kv_format: str, heads: int, kv_dtype: str | None) -> list[KVLayout]:
+        """Each rank's KV: its heads of ``base`` (views), or for MLA a copy of its own."""
+        if kv_format == MLA:
+            copies = [base] + [torch.zeros_like(base) for _ in range(tp - 1)]
+            self.copies = [KVLayout.from_tensors({n: c[i] for i, n in enumerate(self.kv)}, kv_dtype=kv_dtype) for c in copies]
+            return self.copies
+        if kv_format != BLOCKS_FIRST or heads % tp:
+            raise ValueError(f"tp={tp} needs {BLOCKS_FIRST} or {MLA} blocks and heads ({heads}) that split evenly")
+        per = heads // tp
+        return [KVLayout.from_tensors({n: base[i, :, r * per : (r + 1) * per] for i, n in enumerate(self.kv)},
+                                      kv_dtype=kv_dtype) for r in range(tp)]
 
     # ---- helpers -------------------------------------------------------------------------------
     def request(self, request_id: str, tokens: Sequence[int], params: Mapping[str, Any] | None = None) -> RequestInfo:
@@ -180,11 +255,12 @@ class MiniEngine:
     def compute(self, block_ids: Sequence[int], keys: Sequence[bytes]) -> None:
         """Write the "computed" KV of ``keys`` into ``block_ids`` (a partial last block gets zeros)."""
         full = min(len(block_ids), len(keys))
-        if full:
-            self.layout.scatter(block_ids[:full], self.expected(keys[:full]).to(self.layout.device))
-        if len(block_ids) > full:
-            self.layout.scatter(block_ids[full:], torch.zeros(self.layout.num_layers, len(block_ids) - full,
-                                                              self.layout.block_bytes, dtype=torch.uint8, device=self.layout.device))
+        for layout in self.copies:
+            if full:
+                layout.scatter(block_ids[:full], self.expected(keys[:full]).to(layout.device))
+            if len(block_ids) > full:
+                layout.scatter(block_ids[full:], torch.zeros(layout.num_layers, len(block_ids) - full, layout.block_bytes,
+                                                             dtype=torch.uint8, device=layout.device))
 
     def pump(self) -> WorkerReport:
         """One idle engine step (:func:`idle_step`), then free the held blocks it released."""
