@@ -275,6 +275,24 @@ def test_release_whose_callback_fails_can_be_retried(serve: Callable[..., Metada
     assert calls == ["r1", "r1"]
 
 
+def test_a_release_that_only_asks_changes_nothing(serve: Callable[..., MetadataServer]) -> None:
+    """``confirm`` (a release with ``keep``) asks the engine whether it still holds the request, every
+    time it is asked; the release proper then still happens, once."""
+    released: list[str] = []
+    asked: list[tuple[str, str, bytes]] = []
+    server = serve(on_release=lambda e, r, a, g: released.append(r) or True,
+                   on_confirm=lambda e, r, g: asked.append((e, r, g)) or r == "held")
+    with MetadataClient(server.address) as client:
+        assert client.confirm("decode-0", "held", grant=b"g") and client.confirm("decode-1", "held", grant=b"g")
+        assert not client.confirm("decode-0", "gone")
+        assert client.release("decode-0", "held", grant=b"g")  # not a duplicate of the asks
+    assert asked == [("decode-0", "held", b"g"), ("decode-1", "held", b"g"), ("decode-0", "gone", b"")]
+    assert released == ["held"]
+    with MetadataClient(serve(on_release=lambda *a: True).address) as client, \
+            pytest.raises(errors.ProtocolError, match="UNIMPLEMENTED"):
+        client.confirm("decode-0", "r1")
+
+
 # ---- directory --------------------------------------------------------------------------------------
 
 def test_directory_publish_and_lookup_across_processes(standalone: str, peer: Peer) -> None:

@@ -56,6 +56,27 @@ def test_consumer_ranks_cut_their_heads_out_of_the_producer_ranks(tmp_path: Path
         consumer.close()
 
 
+@pytest.mark.parametrize("lane", ["cma", "ucp"])
+def test_an_unsealed_read_is_confirmed_without_a_release(tmp_path: Path, lane: str) -> None:
+    """The producer's workers have not learnt the hold yet (its engine took no step since the request
+    ended), or the lane has no seal (ucp): each consumer rank asks its producer rank whether it still
+    holds the hand-off, which changes nothing there; the scheduler's release frees it afterwards."""
+    options = UcxOptions(registry_dir=str(tmp_path / "reg"), lane=lane)
+    backend = UcxBackend(options)
+    producer = MiniEngine(UcxBackend(options), engine_id="p", role="producer", seed=1, tp=1, num_kv_heads=4)
+    consumer = MiniEngine(backend, engine_id="c", role="consumer", seed=2, tp=2, num_kv_heads=4)
+    try:
+        tokens = _tokens(5 * 16 + 3, seed=9)
+        sent = producer.prefill("r", tokens, step_after=False)
+        got = consumer.prefill("r-c", tokens, sent.finish.transfer_params)
+        assert got.loaded_tokens == 5 * 16 and torch.equal(got.snapshot[:, :5], sent.snapshot[:, :5])
+        assert backend.stats.resliced_loads == 2 and backend.stats.sealed_loads == 0
+        producer.wait_for(lambda _r: not producer.held, timeout=10)
+    finally:
+        producer.close()
+        consumer.close()
+
+
 @pytest.mark.parametrize("p,c", [(2, 1), (1, 3)])
 def test_mla_ranks_read_one_whole_copy(tmp_path: Path, p: int, c: int) -> None:
     producer, consumer, backend = _pair(tmp_path, p, c, kv_format=MLA, head_size=64)

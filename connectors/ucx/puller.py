@@ -222,10 +222,11 @@ class Puller:
 
     def _read_resliced(self, op: BlockLoad, src: UcxSource) -> set[int]:
         """Another TP size on the producer: read this rank's heads out of every producer rank holding some
-        (:func:`~kvbridge.layout.reslice`), one-sided. The bytes count only if every one of those ranks
-        still seals the hand-off after the read; no release here (other ranks of ours may be reading the
-        same producer rank): the scheduler releases every producer rank once all of ours report."""
-        t0 = time.perf_counter()
+        (:func:`~kvbridge.layout.reslice`), one-sided. The bytes count only if each of those ranks still
+        holds the hand-off after the read (its seal, else it confirms without releasing); no release here,
+        since other ranks of ours may be reading the same producer rank: the scheduler releases every
+        producer rank once all of ours report."""
+        t0, sealed = time.perf_counter(), True
         try:
             theirs, cuts = reslice(self.layout.fingerprint, self.engine.rank, self.engine.world_size, src.ranks)
             for q, cut in cuts.items():
@@ -237,15 +238,17 @@ class Puller:
                 except BaseException:
                     self._drop(address)  # a dead or restarted producer: handshake anew next time
                     raise
-                if not onesided.sealed(peer.source, src.seal):
-                    raise ProtocolError(f"producer rank {q} no longer sealed the hand-off after the read "
-                                        f"({peer.source.lane} lane; a re-sliced read counts only under a seal)")
+                if onesided.sealed(peer.source, src.seal):
+                    continue
+                sealed = False
+                if not peer.client.confirm(self.engine.engine_id, src.remote_request_id, grant=src.grant):
+                    raise ProtocolError(f"producer rank {q} no longer held the hand-off when the read ended")
         except Exception as exc:  # noqa: BLE001 - nothing counts; the engine recomputes every block
             log.warning("%s: re-sliced read of %s from %s (tp=%d to tp=%d) failed: %s: %s", self.engine.engine_id,
                         op.request_id, src.engine_id, src.ranks, self.engine.world_size,
                         type(exc).__name__, exc)
             return set(op.block_ids)
-        self._count(op, t0, sealed=True)
+        self._count(op, t0, sealed=sealed)
         self.stats.add(resliced_loads=1)
         return set()
 

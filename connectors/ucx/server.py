@@ -68,7 +68,8 @@ class Server:
         self._staging = StagingPool(layout, _SERVES * options.max_inflight)
         port = options.metadata_port + engine.rank if options.metadata_port else 0
         self.server = MetadataServer(f"{options.listen_host or options.advertise_host}:{port}", token=options.token,
-                                     on_handshake=self._handshake, on_release=self._release, directory=False)
+                                     on_handshake=self._handshake, on_release=self._release,
+                                     on_confirm=self._confirm, directory=False)
         port = self.server.start()
         self.address = f"{options.advertise_host}:{port}"
         self._serving = rt.submit(self._control_loop())
@@ -132,6 +133,19 @@ class Server:
             self.stats.add(refused_pulls=1)
             log.info("%s: %s released by %s was not held throughout (%s)", self.engine.engine_id, request_id, engine_id,
                      "already released or expired" if done_before else "no valid grant" if expires is None else "lease over")
+        return held
+
+    def _confirm(self, engine_id: str, request_id: str, grant: bytes) -> bool:
+        """Whether the request is held now, as :meth:`_release` would answer, changing nothing. Held now
+        means held since the hand-off: a hold that ended never comes back."""
+        with self._lock:
+            expires = onesided.verify(self._grant_key, self.engine.engine_id, request_id, grant)
+            known = self._holds.get(request_id)
+            if known is not None and expires is None:
+                expires = known[1]
+            held = expires is not None and request_id not in self._done and time.time() <= expires
+        if not held:
+            log.info("%s: %s asked by %s is not held", self.engine.engine_id, request_id, engine_id)
         return held
 
     def _mark_done(self, request_id: str, *, reported: bool) -> None:

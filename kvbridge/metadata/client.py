@@ -96,6 +96,13 @@ class MetadataClient:
                            pb.ReleaseRequest(engine_id=engine_id, request_id=request_id, aborted=aborted, grant=grant))
         return bool(reply.held) and not reply.duplicate
 
+    def confirm(self, engine_id: str, request_id: str, *, grant: bytes = b"") -> bool:
+        """Ask whether the producer still holds the blocks of ``request_id`` (they stay held; the release
+        comes later): a one-sided reader that may not release yet counts what it read only then."""
+        reply = self._call("Release", self._peer.Release,
+                           pb.ReleaseRequest(engine_id=engine_id, request_id=request_id, grant=grant, keep=True))
+        return bool(reply.held)
+
     def publish(self, holder: str, hashes: Sequence[bytes], *, address: str = "", ttl_s: float) -> None:
         """Add ``hashes`` to what ``holder`` holds and (re)start its lease; ``address=""`` keeps the last one."""
         self._call("Publish", self._dir.Publish,

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 HandshakeCallback = Callable[[PeerInfo], PeerInfo]
 ReleaseCallback = Callable[[str, str, bool, bytes], "bool | None"]
+ConfirmCallback = Callable[[str, str, bytes], bool]
 
 _PEER = pb.DESCRIPTOR.services_by_name["Peer"].full_name
 _DIRECTORY = pb.DESCRIPTOR.services_by_name["Directory"].full_name
@@ -106,6 +107,8 @@ class MetadataServer:
     false): repeats (a client's retries) answer ``duplicate`` (and not held) without calling it
     again — among the last ``release_memory`` releases; it should still tolerate an unknown request.
     A callback that raises fails the call (INTERNAL) and leaves it un-remembered, so a retry calls again.
+    ``on_confirm(engine_id, request_id, grant) -> held`` answers a release that only asks (``keep``):
+    whether the blocks are still held, changing nothing; it is called for every such ask.
     Callbacks run on the server's worker threads, possibly several at once: they must be thread-safe
     and quick (no transfers inside them).
 
@@ -121,6 +124,7 @@ class MetadataServer:
         tls: wire.ServerTLS | None = None,
         on_handshake: HandshakeCallback | None = None,
         on_release: ReleaseCallback | None = None,
+        on_confirm: ConfirmCallback | None = None,
         directory: Directory | RedisDirectory | bool = True,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         max_hashes: int = wire.MAX_HASHES,
@@ -137,6 +141,7 @@ class MetadataServer:
         self._tls = tls
         self._on_handshake = on_handshake
         self._on_release = on_release
+        self._on_confirm = on_confirm
         self._max_hashes = max_hashes
         self._released: collections.OrderedDict[tuple[str, str, bytes], None] = collections.OrderedDict()
         self._release_memory = release_memory
@@ -260,6 +265,10 @@ class MetadataServer:
         # must not make the real hand-off of a reused request id look like a repeat
         key = (wire.check_id(request.engine_id, "engine_id"), wire.check_id(request.request_id, "request_id"),
                bytes(request.grant))
+        if request.keep:
+            if self._on_confirm is None:
+                raise wire.Unimplemented("no engine behind this metadata server confirms holds")
+            return pb.ReleaseResponse(held=bool(self._on_confirm(key[0], key[1], key[2])))
         if self._on_release is None:
             raise wire.Unimplemented("no engine behind this metadata server takes releases")
         with self._release_lock:

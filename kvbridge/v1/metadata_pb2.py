@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvbridge/v1/metadata.proto\x12\x0bkvbridge.v1\"\xcc\x01\n\x08PeerInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x04 \x01(\t\x12\x37\n\ttransport\x18\x05 \x03(\x0b\x32$.kvbridge.v1.PeerInfo.TransportEntry\x1a\x30\n\x0eTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"7\n\x10HandshakeRequest\x12#\n\x04peer\x18\x01 \x01(\x0b\x32\x15.kvbridge.v1.PeerInfo\"8\n\x11HandshakeResponse\x12#\n\x04peer\x18\x01 \x01(\x0b\x32\x15.kvbridge.v1.PeerInfo\"W\n\x0eReleaseRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x62orted\x18\x03 \x01(\x08\x12\r\n\x05grant\x18\x04 \x01(\x0c\"2\n\x0fReleaseResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x0c\n\x04held\x18\x02 \x01(\x08\"P\n\x0ePublishRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06hashes\x18\x03 \x03(\x0c\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"\x11\n\x0fPublishResponse\"1\n\x10HeartbeatRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"2\n\x10UnpublishRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"\x13\n\x11UnpublishResponse\"\x1f\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"E\n\x0e\x44irectoryEntry\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\">\n\x0eLookupResponse\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.kvbridge.v1.DirectoryEntry2\x98\x01\n\x04Peer\x12J\n\tHandshake\x12\x1d.kvbridge.v1.HandshakeRequest\x1a\x1e.kvbridge.v1.HandshakeResponse\x12\x44\n\x07Release\x12\x1b.kvbridge.v1.ReleaseRequest\x1a\x1c.kvbridge.v1.ReleaseResponse2\xac\x02\n\tDirectory\x12\x44\n\x07Publish\x12\x1b.kvbridge.v1.PublishRequest\x1a\x1c.kvbridge.v1.PublishResponse\x12J\n\tHeartbeat\x12\x1d.kvbridge.v1.HeartbeatRequest\x1a\x1e.kvbridge.v1.HeartbeatResponse\x12J\n\tUnpublish\x12\x1d.kvbridge.v1.UnpublishRequest\x1a\x1e.kvbridge.v1.UnpublishResponse\x12\x41\n\x06Lookup\x12\x1a.kvbridge.v1.LookupRequest\x1a\x1b.kvbridge.v1.LookupResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvbridge/v1/metadata.proto\x12\x0bkvbridge.v1\"\xcc\x01\n\x08PeerInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x04 \x01(\t\x12\x37\n\ttransport\x18\x05 \x03(\x0b\x32$.kvbridge.v1.PeerInfo.TransportEntry\x1a\x30\n\x0eTransportEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"7\n\x10HandshakeRequest\x12#\n\x04peer\x18\x01 \x01(\x0b\x32\x15.kvbridge.v1.PeerInfo\"8\n\x11HandshakeResponse\x12#\n\x04peer\x18\x01 \x01(\x0b\x32\x15.kvbridge.v1.PeerInfo\"e\n\x0eReleaseRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x62orted\x18\x03 \x01(\x08\x12\r\n\x05grant\x18\x04 \x01(\x0c\x12\x0c\n\x04keep\x18\x05 \x01(\x08\"2\n\x0fReleaseResponse\x12\x11\n\tduplicate\x18\x01 \x01(\x08\x12\x0c\n\x04held\x18\x02 \x01(\x08\"P\n\x0ePublishRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06hashes\x18\x03 \x03(\x0c\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"\x11\n\x0fPublishResponse\"1\n\x10HeartbeatRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"2\n\x10UnpublishRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"\x13\n\x11UnpublishResponse\"\x1f\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"E\n\x0e\x44irectoryEntry\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\">\n\x0eLookupResponse\x12,\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1b.kvbridge.v1.DirectoryEntry2\x98\x01\n\x04Peer\x12J\n\tHandshake\x12\x1d.kvbridge.v1.HandshakeRequest\x1a\x1e.kvbridge.v1.HandshakeResponse\x12\x44\n\x07Release\x12\x1b.kvbridge.v1.ReleaseRequest\x1a\x1c.kvbridge.v1.ReleaseResponse2\xac\x02\n\tDirectory\x12\x44\n\x07Publish\x12\x1b.kvbridge.v1.PublishRequest\x1a\x1c.kvbridge.v1.PublishResponse\x12J\n\tHeartbeat\x12\x1d.kvbridge.v1.HeartbeatRequest\x1a\x1e.kvbridge.v1.HeartbeatResponse\x12J\n\tUnpublish\x12\x1d.kvbridge.v1.UnpublishRequest\x1a\x1e.kvbridge.v1.UnpublishResponse\x12\x41\n\x06Lookup\x12\x1a.kvbridge.v1.LookupRequest\x1a\x1b.kvbridge.v1.LookupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,29 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKERESPONSE']._serialized_start=307
   _globals['_HANDSHAKERESPONSE']._serialized_end=363
   _globals['_RELEASEREQUEST']._serialized_start=365
-  _globals['_RELEASEREQUEST']._serialized_end=452
-  _globals['_RELEASERESPONSE']._serialized_start=454
-  _globals['_RELEASERESPONSE']._serialized_end=504
-  _globals['_PUBLISHREQUEST']._serialized_start=506
-  _globals['_PUBLISHREQUEST']._serialized_end=586
-  _globals['_PUBLISHRESPONSE']._serialized_start=588
-  _globals['_PUBLISHRESPONSE']._serialized_end=605
-  _globals['_HEARTBEATREQUEST']._serialized_start=607
-  _globals['_HEARTBEATREQUEST']._serialized_end=656
-  _globals['_HEARTBEATRESPONSE']._serialized_start=658
-  _globals['_HEARTBEATRESPONSE']._serialized_end=692
-  _globals['_UNPUBLISHREQUEST']._serialized_start=694
-  _globals['_UNPUBLISHREQUEST']._serialized_end=744
-  _globals['_UNPUBLISHRESPONSE']._serialized_start=746
-  _globals['_UNPUBLISHRESPONSE']._serialized_end=765
-  _globals['_LOOKUPREQUEST']._serialized_start=767
-  _globals['_LOOKUPREQUEST']._serialized_end=798
-  _globals['_DIRECTORYENTRY']._serialized_start=800
-  _globals['_DIRECTORYENTRY']._serialized_end=869
-  _globals['_LOOKUPRESPONSE']._serialized_start=871
-  _globals['_LOOKUPRESPONSE']._serialized_end=933
-  _globals['_PEER']._serialized_start=936
-  _globals['_PEER']._serialized_end=1088
-  _globals['_DIRECTORY']._serialized_start=1091
-  _globals['_DIRECTORY']._serialized_end=1391
+  _globals['_RELEASEREQUEST']._serialized_end=466
+  _globals['_RELEASERESPONSE']._serialized_start=468
+  _globals['_RELEASERESPONSE']._serialized_end=518
+  _globals['_PUBLISHREQUEST']._serialized_start=520
+  _globals['_PUBLISHREQUEST']._serialized_end=600
+  _globals['_PUBLISHRESPONSE']._serialized_start=602
+  _globals['_PUBLISHRESPONSE']._serialized_end=619
+  _globals['_HEARTBEATREQUEST']._serialized_start=621
+  _globals['_HEARTBEATREQUEST']._serialized_end=670
+  _globals['_HEARTBEATRESPONSE']._serialized_start=672
+  _globals['_HEARTBEATRESPONSE']._serialized_end=706
+  _globals['_UNPUBLISHREQUEST']._serialized_start=708
+  _globals['_UNPUBLISHREQUEST']._serialized_end=758
+  _globals['_UNPUBLISHRESPONSE']._serialized_start=760
+  _globals['_UNPUBLISHRESPONSE']._serialized_end=779
+  _globals['_LOOKUPREQUEST']._serialized_start=781
+  _globals['_LOOKUPREQUEST']._serialized_end=812
+  _globals['_DIRECTORYENTRY']._serialized_start=814
+  _globals['_DIRECTORYENTRY']._serialized_end=883
+  _globals['_LOOKUPRESPONSE']._serialized_start=885
+  _globals['_LOOKUPRESPONSE']._serialized_end=947
+  _globals['_PEER']._serialized_start=950
+  _globals['_PEER']._serialized_end=1102
+  _globals['_DIRECTORY']._serialized_start=1105
+  _globals['_DIRECTORY']._serialized_end=1405
 # @@protoc_insertion_point(module_scope)

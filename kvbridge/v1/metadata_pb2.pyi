@@ -40,16 +40,18 @@ class HandshakeResponse(_message.Message):
     def __init__(self, peer: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "aborted", "grant")
+    __slots__ = ("engine_id", "request_id", "aborted", "grant", "keep")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     aborted: bool
     grant: bytes
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., aborted: bool = ..., grant: _Optional[bytes] = ...) -> None: ...
+    keep: bool
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., aborted: bool = ..., grant: _Optional[bytes] = ..., keep: bool = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("duplicate", "held")
