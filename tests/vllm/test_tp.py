@@ -1,9 +1,11 @@
 """Tensor parallelism in real vLLM engines (tp=2 on this 2-core machine: ``distributed_executor_backend="mp"``,
-one OMP thread per rank): every rank saves and loads its own shard of the KV through the fs store.
+one OMP thread per rank).
 
-A producer and a consumer with different TP sizes do not share KV: the head split is part of the block
-keys' namespace (and of the layout fingerprint every object carries), so the consumer misses and
-recomputes — never loads another split's bytes. Re-slicing heads across TP sizes is not built yet.
+- fs: every rank saves and loads its own shard of the KV. A consumer of another TP size does not share
+  the store's KV: the head split is part of the block keys' namespace (and of the layout fingerprint every
+  object carries), so it misses and recomputes — never loads another split's bytes.
+- ucx: a tp=2 consumer pulls from a tp=1 producer, each rank cutting its KV head out of the producer's
+  blocks (``kvbridge.layout.reslice``); every full block is loaded and the tokens equal a plain engine's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import pytest
 from pdkit import Engine, kv_config
+from test_pd_ucx import ucx_problem
 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 
@@ -44,3 +47,28 @@ def test_tp2_engines_move_every_ranks_shard(tiny_model: Path, tmp_path: Path, mo
         assert loaded[r["name"]]["tokens"] == made[r["name"]]["tokens"]
     other_split = run("consumer-tp1", "kv_consumer", {})
     assert all(other_split[r["name"]]["num_cached_tokens"] == 0 for r in requests), "another TP split: a miss"
+
+
+@pytest.mark.timeout(900)
+def test_tp1_producer_hands_off_to_a_tp2_consumer_over_ucx(tiny_model: Path, baseline: dict[str, Any],
+                                                           prompts: dict[str, list[int]], tmp_path: Path,
+                                                           monkeypatch: Any) -> None:
+    problem = ucx_problem()
+    if problem:
+        pytest.skip(f"ucx backend not usable here: {problem}")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    names = "AB"
+    params, done = tmp_path / "params.json", tmp_path / "consumer.done"
+    producer = Engine(tmp_path / "engines", "producer-tp1", {
+        "model": str(tiny_model), "kv": kv_config("kvbridge.UCXConnector", "kv_producer", {}), "batch": True,
+        "requests": [{"name": n, "prompt": prompts[n], "max_tokens": 1} for n in names],
+        "publish": str(params), "hold": str(done)})  # fmt: skip
+    consumer = Engine(tmp_path / "engines", "consumer-tp2", {
+        "model": str(tiny_model), "kv": kv_config("kvbridge.UCXConnector", "kv_consumer", {}), "multiprocess": True,
+        "llm_args": TP2, "params_from": str(params), "done": str(done),
+        "requests": [{"name": n, "prompt": prompts[n], "max_tokens": 8} for n in names]})  # fmt: skip
+    got = consumer.result(timeout=600)["results"]
+    producer.result()
+    for n in names:
+        assert got[n]["num_cached_tokens"] == 192, f"both ranks cut their head out of all 6 blocks: {got[n]}"
+        assert got[n]["tokens"] == baseline[n]["tokens"]
