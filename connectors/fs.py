@@ -10,10 +10,13 @@ in its prompt — a tier of a ``chain`` asked about a prompt's tail finds the sa
 asked about the whole prompt. Every stored block has a *locator*, a file name derived from its key
 alone::
 
-    <path>/<sha256(namespace)[:16]>/<rank>/v2-<C>/<name[:2]>/<name>     name = key.hex() (or a hash, see below)
+    <path>/<sha256(namespace)[:16]>/tp<T>.<rank>/v2-<C>/<name[:2]>/<name>     name = key.hex() (or a hash, see below)
 
-(``<rank>`` is ``0`` for every rank of an engine whose ranks all hold the same KV, MLA's latent cache:
-rank 0 writes it, every rank and a consumer of any tensor-parallel size reads it.)
+``tp<T>.<rank>`` names the shard: rank ``rank`` of ``T`` tensor-parallel ranks (``tp1.0`` for every rank of
+an engine whose ranks all hold the same KV, MLA's latent cache: rank 0 writes it, every rank reads it).
+A consumer of another TP size finds the shards of the ``T`` its lookup saw and cuts its heads out of
+them (:func:`kvbridge.layout.reslice`): each of its ranks reads the objects of every producer rank
+that holds some of its heads, and only the blocks all of those hold arrive.
 
 so a key, whatever its bytes, names a file of hex digits under the root and can never escape it. The
 locator of a chunk's *last* block is the chunk's object itself; the locators of its other blocks are
@@ -92,6 +95,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import secrets
 import stat
 import threading
@@ -105,8 +109,8 @@ import torch
 
 from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
-from kvbridge.errors import ConfigError, Corrupted, LayoutError, StoreFull
-from kvbridge.layout import KVLayout, block_words
+from kvbridge.errors import ConfigError, Corrupted, LayoutError, LayoutMismatch, StoreFull
+from kvbridge.layout import KVLayout, LayoutFingerprint, block_words, reslice
 from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -123,6 +127,7 @@ _MAX_HEX_KEY = 64  # longer keys are hashed into the file name (NAME_MAX is 255)
 _IOV_MAX = 512  # stay well under the kernel's IOV_MAX (1024) per readv/writev
 _LOW_WATER = 0.9  # evict down to this fraction of capacity_bytes
 _STALE_TMP_S = 3600.0  # temp files this old belong to a writer that died; eviction scans remove them
+_SHARD = re.compile(r"tp(\d+)\.(\d+)")  # a shard's directory: tp<T>.<rank>
 _REMEMBERED = 4096  # requests (and looked-up prompts) whose save positions the scheduler side keeps
 _ENOSPC = (errno.ENOSPC, errno.EDQUOT)
 
@@ -307,19 +312,32 @@ class _Blocks:
 
 
 class _Tree:
-    """Where one engine's objects live under the shared root: its namespace, rank and chunk size."""
+    """Where one engine's objects live under the shared root: its namespace, shard and chunk size."""
 
     def __init__(self, engine: EngineInfo, options: FsOptions):
         self.options = options
         self.root = os.path.abspath(options.path)
         self.chunk = chunk_blocks(engine.block_size, options.chunk_tokens)
-        ns = hashlib.sha256(engine.namespace.encode()).hexdigest()[:16]
-        self.dir = os.path.join(self.root, ns, str(engine.kv_rank), f"v{VERSION}-{self.chunk}")
+        self.ns_dir = os.path.join(self.root, hashlib.sha256(engine.namespace.encode()).hexdigest()[:16])
+        self.tp = engine.kv_world_size
+        self.dir = self.shard_dir(self.tp, engine.kv_rank)
 
-    def path_of(self, key: bytes) -> str:
-        """The locator of ``key``: its chunk's object (the chunk's last block), or a link to it."""
+    def shard_dir(self, tp: int, rank: int) -> str:
+        """The directory of rank ``rank``'s objects in a ``tp``-way engine of this namespace."""
+        return os.path.join(self.ns_dir, f"tp{tp}.{rank}", f"v{VERSION}-{self.chunk}")
+
+    def path_of(self, key: bytes, folder: str | None = None) -> str:
+        """The locator of ``key`` (in this engine's shard, or ``folder``): its chunk's object (the chunk's
+        last block), or a link to it."""
         name = key.hex() if 0 < len(key) <= _MAX_HEX_KEY // 2 else object_name(key)
-        return f"{self.dir}{os.sep}{name[:2]}{os.sep}{name}"
+        return f"{folder or self.dir}{os.sep}{name[:2]}{os.sep}{name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class FsLoad:
+    """``BlockLoad.source`` of an ``fs`` load whose blocks another TP size saved: its ``tp``."""
+
+    tp: int
 
 
 def _remember(book: collections.OrderedDict[Any, Any], key: Any, value: Any) -> None:
@@ -340,16 +358,42 @@ class FsIndex(_Tree, StoreIndex):
         self._hits: collections.OrderedDict[bytes, tuple[bytes, ...]] = collections.OrderedDict()
         # request -> the keys of the chunk its next save goes on with (None: not known)
         self._saving: collections.OrderedDict[str, tuple[bytes, ...] | None] = collections.OrderedDict()
+        # last key of a hit another TP size held -> that TP size (its load cuts heads out of that split)
+        self._split_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._splits_seen: tuple[float, list[int]] = (-1e9, [])
 
-    def _present(self, key: bytes) -> bool:
+    def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> FsLoad | None:
+        tp = self._split_of.get(keys[-1]) if keys else None
+        return FsLoad(tp) if tp is not None else None
+
+    def _present(self, key: bytes, folder: str | None = None) -> bool:
         try:
-            os.stat(self.path_of(key))  # follows a link: a link whose object is gone is a miss
+            os.stat(self.path_of(key, folder))  # follows a link: a link whose object is gone is a miss
         except OSError:  # missing, or the directory itself is gone: a miss either way
             return False
         return True
 
+    def _other_splits(self) -> list[int]:
+        """The TP sizes other than ours whose rank 0 stored objects of this namespace (listed at most once
+        a second)."""
+        now = time.monotonic()
+        if now - self._splits_seen[0] > 1.0:
+            try:
+                names = os.listdir(self.ns_dir)
+            except OSError:
+                names = []
+            found = {int(m.group(1)) for m in map(_SHARD.fullmatch, names) if m and m.group(2) == "0"}
+            self._splits_seen = (now, sorted(found - {self.tp}))
+        return self._splits_seen[1]
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         n = self._prefix(keys)
+        if n < len(keys):
+            for tp in self._other_splits():  # another TP size may hold more: its ranks are re-sliced
+                m = self._prefix(keys, self.shard_dir(tp, 0))
+                if m > n:
+                    n = m
+                    _remember(self._split_of, keys[m - 1], tp)
         if n < len(keys) and self.engine.role == "both":  # its saves start at n (a producer's at the prompt's start)
             b = n - 1
             while b >= 0 and not ends_chunk(keys[b], self.chunk):
@@ -357,21 +401,21 @@ class FsIndex(_Tree, StoreIndex):
             _remember(self._hits, keys[n], tuple(keys[b + 1 : n]))
         return n
 
-    def _prefix(self, keys: Sequence[bytes]) -> int:
+    def _prefix(self, keys: Sequence[bytes], folder: str | None = None) -> int:
         n, m = 0, len(keys)
         while n < m:
             end = chunk_end(keys, n, self.chunk)
-            if self._present(keys[end]):  # the chunk is stored whole (as far as these keys go)
+            if self._present(keys[end], folder):  # the chunk is stored whole (as far as these keys go)
                 n = end + 1
                 continue
-            if end == n or not self._present(keys[n]):
+            if end == n or not self._present(keys[n], folder):
                 return n
             # the chunk's first block here is there, its last is not: bisect. A locator found names an object
             # holding every block of its chunk up to it, so any block found proves the ones before it.
             lo, hi = n, end
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                if self._present(keys[mid]):
+                if self._present(keys[mid], folder):
                     lo = mid
                 else:
                     hi = mid
@@ -484,7 +528,9 @@ class FsStore(_Tree, StoreIO):
     # -- loads ---------------------------------------------------------------------------------------
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         _check_ids(op.block_ids, layout)  # ids outside the KV fail the whole load, before any read
-        reads = self._locate(op.keys, layout)
+        if isinstance(op.source, FsLoad) and op.source.tp != self.tp:
+            return op.block_ids[self._load_resliced(op, layout, op.source.tp):]
+        reads = self._locate(op.keys, layout.fingerprint)
         try:
             covered = sum(r.count for r in reads)
             good = covered
@@ -495,7 +541,7 @@ class FsStore(_Tree, StoreIO):
             for r in reads:
                 os.close(r.fd)
 
-    def _open(self, path: str, layout: KVLayout) -> tuple[int, codec.Chunk]:
+    def _open(self, path: str, fingerprint: LayoutFingerprint) -> tuple[int, codec.Chunk]:
         """Open the object at ``path`` and check its header; :class:`Corrupted` (fd closed) if it fails."""
         # O_NONBLOCK: something else than a file at a locator (a FIFO) must not hang the load
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | self._direct)
@@ -510,7 +556,7 @@ class FsStore(_Tree, StoreIO):
             if length > got:
                 buf = _aligned(length)
                 got = _read_at(fd, buf[:length], 0)
-            return fd, FORMAT.parse(buf[:got], fingerprint=layout.fingerprint, size=size)
+            return fd, FORMAT.parse(buf[:got], fingerprint=fingerprint, size=size)
         except Corrupted as bad:
             self._reject(path, fd, bad)
             os.close(fd)
@@ -519,15 +565,16 @@ class FsStore(_Tree, StoreIO):
             os.close(fd)
             raise
 
-    def _locate(self, keys: Sequence[bytes], layout: KVLayout) -> list[_Read]:
-        """The objects holding ``keys`` from the first on (open, headers checked), up to the first missing."""
+    def _locate(self, keys: Sequence[bytes], fingerprint: LayoutFingerprint, folder: str | None = None) -> list[_Read]:
+        """The objects holding ``keys`` from the first on (open, headers checked against ``fingerprint``),
+        up to the first missing; in this engine's shard or ``folder``."""
         reads: list[_Read] = []
         i = 0
         try:
             while i < len(keys):
-                path = self.path_of(keys[i])
+                path = self.path_of(keys[i], folder)
                 try:
-                    fd, chunk = self._open(path, layout)
+                    fd, chunk = self._open(path, fingerprint)
                 except Corrupted:
                     break
                 except OSError:  # missing: the engine recomputes from here
@@ -591,6 +638,47 @@ class FsStore(_Tree, StoreIO):
         finally:
             if staging is not None:
                 self._staging.give(staging)
+
+    def _load_resliced(self, op: BlockLoad, layout: KVLayout, tp: int) -> int:
+        """Cut this rank's heads out of the ``tp``-way shards that hold them (:func:`~kvbridge.layout.reslice`)
+        into a staging buffer, then scatter what every one of those shards held; how many blocks, from
+        the first, arrived."""
+        try:
+            theirs, cuts = reslice(layout.fingerprint, self.engine.rank, self.tp, tp)
+        except LayoutMismatch as exc:
+            log.warning("fs store: %s cannot be loaded from tp=%d: %s", op.request_id, tp, exc)
+            return 0
+        good = len(op.keys)
+        with self._staging.lend(layout, good) as staging:
+            dest = staging.numpy()
+            for rank, cut in cuts.items():
+                reads = self._locate(op.keys[:good], theirs, self.shard_dir(tp, rank))
+                try:
+                    good = self._cut_blocks(reads, theirs, dest, cut, min(good, sum(r.count for r in reads)))
+                finally:
+                    for r in reads:
+                        os.close(r.fd)
+            if good:
+                layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
+        return good
+
+    def _cut_blocks(self, reads: list[_Read], theirs: LayoutFingerprint, dest: np.ndarray, cut: Any, n: int) -> int:
+        """Read the first ``n`` located blocks (of layout ``theirs``), placing bytes ``cut`` of each in
+        ``dest``; how many from the first passed their checks."""
+        where = [(r, r.first + t) for r in reads for t in range(r.count)][:n]
+
+        def place(i: int) -> bool:
+            r, pos = where[i]
+            try:
+                data = self._read_block(r.fd, r.chunk, pos).reshape(theirs.num_layers, theirs.block_bytes)
+            except (Corrupted, OSError) as exc:
+                log.warning("fs store: reading %s failed (%s)", r.path, exc)
+                return False
+            dest[:, i, cut.dst : cut.dst + cut.length] = data[:, cut.src : cut.src + cut.length]
+            return True
+
+        outcomes = self._parallel(n, place)
+        return next((i for i, ok in enumerate(outcomes) if not ok), n)
 
     def _read_block(self, fd: int, chunk: codec.Chunk, pos: int) -> np.ndarray:
         """Block ``pos`` of an object, read into this thread's buffer and checked; :class:`Corrupted` if bad."""
@@ -720,7 +808,7 @@ class FsStore(_Tree, StoreIO):
         """Open the object holding the first ``o.head`` blocks of ``o``'s chunk; ``False`` if it cannot serve."""
         path = self.path_of(o.keys[o.head - 1])
         try:
-            fd, chunk = self._open(path, layout)
+            fd, chunk = self._open(path, layout.fingerprint)
         except (OSError, Corrupted) as exc:
             log.debug("fs store: the first blocks of %s are gone (%s); not saved", o.path, exc)
             return False
@@ -840,7 +928,7 @@ class FsStore(_Tree, StoreIO):
             return None
         path = self.path_of(key)
         try:
-            fd, chunk = self._open(path, self._views[0])
+            fd, chunk = self._open(path, self._views[0].fingerprint)
         except (OSError, Corrupted):
             return None
         try:

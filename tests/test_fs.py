@@ -498,7 +498,7 @@ def test_version_1_objects_are_misses(tmp_path):
     try:
         tokens = _tokens(3 * 16 + 1, seed=9)
         req = producer.request("old", tokens)
-        v1 = Path(_store(producer).dir).parent  # <root>/<namespace>/<rank>: where v1 put its objects
+        v1 = Path(_store(producer).ns_dir) / "0"  # <root>/<namespace>/<rank>: where v1 put its objects
         layout = producer.layout
         ids = producer.allocate(3)
         producer.compute(ids, req.block_keys)
@@ -753,3 +753,54 @@ def test_kv_first_goes_through_staging(tmp_path):
     finally:
         producer.close()
         consumer.close()
+
+
+# ---- another tensor-parallel size ---------------------------------------------------------------------
+
+def _tp_pair(root: Path, p: int, c: int, heads: int) -> tuple[MiniEngine, MiniEngine]:
+    opts = {"path": str(root), "chunk_tokens": 64}
+    producer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="p", role="producer", seed=1, tp=p, num_kv_heads=heads)
+    consumer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="c", role="consumer", seed=2, tp=c, num_kv_heads=heads)
+    return producer, consumer
+
+
+@pytest.mark.parametrize("p,c,heads", [(2, 1, 4), (1, 2, 4), (4, 2, 4), (3, 2, 6)])
+def test_a_consumer_of_another_tp_size_cuts_its_heads_out_of_the_shards(tmp_path, p, c, heads):
+    producer, consumer = _tp_pair(tmp_path, p, c, heads)
+    try:
+        tokens = _tokens(9 * 16 + 3, seed=p * 10 + c)
+        sent = producer.prefill("a", tokens)
+        shards = {d.name for d in Path(_store_dir(producer)).parent.parent.iterdir()}
+        assert shards == {f"tp{p}.{r}" for r in range(p)}
+        got = consumer.prefill("b", tokens)
+        assert got.loaded_tokens == 9 * 16 and got.failed_blocks == []
+        assert torch.equal(got.snapshot[:, :9], sent.snapshot[:, :9]), "every head of every layer, bit for bit"
+        assert torch.equal(got.snapshot[:, :9], consumer.expected(got.keys[:9]))
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_shard_missing_blocks_fails_them_for_every_rank(tmp_path):
+    """A tp=2 producer's rank 1 lost the tail of the prompt: a tp=1 consumer (which needs both ranks'
+    heads for every block) loads only what both shards hold, and recomputes the rest."""
+    producer, consumer = _tp_pair(tmp_path, 2, 1, 4)
+    try:
+        tokens = _tokens(8 * 16 + 3, seed=5)
+        sent = producer.prefill("a", tokens)
+        rank1 = producer.worker.workers[1].io  # type: ignore[attr-defined]
+        for key in sent.keys[4:]:  # the objects of the second chunk and after, in rank 1's shard only
+            Path(rank1.path_of(key)).unlink(missing_ok=True)
+        got = consumer.prefill("b", tokens)
+        assert 0 < len(got.loaded_blocks) < 8 and got.failed_blocks
+        n = len(got.loaded_blocks)
+        assert torch.equal(got.snapshot[:, :n], sent.snapshot[:, :n])
+        assert torch.equal(got.snapshot[:, :8], consumer.expected(got.keys[:8]))
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def _store_dir(engine: MiniEngine) -> str:
+    workers = getattr(engine.worker, "workers", [engine.worker])
+    return str(workers[0].io.dir)  # type: ignore[attr-defined]

@@ -124,20 +124,19 @@ _ADAPTER_KEYS = ("backend", "namespace")
 # ---- vLLM config -> kvbridge -------------------------------------------------------------------
 
 
-def engine_namespace(vllm_config: Any, *, replicated: bool = False) -> str:
-    """The block-key namespace of an engine: model, revision, dtypes and parallel shape.
+def engine_namespace(vllm_config: Any) -> str:
+    """The block-key namespace of an engine: model, revision, dtypes and pipeline stages.
 
     Engines that differ in any of these compute different KV for the same tokens, so they never
-    share keys (each stored object also carries the layout fingerprint, checked on load). Where
-    every rank holds the same KV (``replicated``: MLA), the tensor-parallel size changes nothing.
-    """
+    share keys (each stored object also carries the layout fingerprint, checked on load). The
+    tensor-parallel size is not in it: each store keeps its shards apart by TP size and rank (fs
+    cuts another size's heads out of them, :func:`kvbridge.layout.reslice`)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     parts = {
         "model": mc.model,
         "revision": getattr(mc, "revision", None) or "",
         "dtype": str(mc.dtype).removeprefix("torch."),
         "kv_dtype": kv_cache_dtype(vllm_config),
-        "tp": "replicated" if replicated else pc.tensor_parallel_size,
         "pp": pc.pipeline_parallel_size,
     }
     return "vllm|" + "|".join(f"{k}={v}" for k, v in parts.items())
@@ -200,7 +199,7 @@ def engine_info(vllm_config: Any, kv_cache_config: Any, *, worker: bool, namespa
         engine_id=str(ktc.engine_id),
         block_size=_engine_block_size(vllm_config, kv_cache_config),
         role=role,
-        namespace=namespace or engine_namespace(vllm_config, replicated=replicated),
+        namespace=namespace or engine_namespace(vllm_config),
         rank=_worker_rank(vllm_config) if worker else 0,
         world_size=int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size),
         block_bytes=_block_bytes(kv_cache_config),

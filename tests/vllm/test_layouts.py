@@ -86,7 +86,7 @@ def test_mla_tp2_producer_writes_one_copy_a_tp1_consumer_loads(tmp_path: Path, m
 
     made = run("producer-tp2", "kv_producer", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
     ranks = {p.relative_to(store).parts[1] for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")}
-    assert ranks == {"0"}, "one copy of the latent KV: rank 0's"
+    assert ranks == {"tp1.0"}, "one copy of the latent KV: rank 0's"
     loaded = run("consumer-tp1", "kv_consumer", {})
     for r in requests:
         assert loaded[r["name"]]["num_cached_tokens"] == 192, "all 12 full blocks of 16 loaded from the tp=2 copy"
