@@ -48,6 +48,18 @@ from kvbridge.layout import KVLayout
 from kvbridge.stats import TransferStats
 
 Role = Literal["producer", "consumer", "both"]
+NULL_BLOCK = -1  # in a grouped engine's block ids: the group keeps no block at this position
+
+
+@dataclasses.dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group of an engine (vLLM's hybrid KV-cache manager gives each kind of attention layer
+    its own): ``num_layers`` layers, in layout order after the groups before it, that share block ids.
+    A sliding-window group (``sliding_window`` tokens; 0: full attention) keeps only the blocks its
+    window still covers: the others are :data:`NULL_BLOCK` in a request's ids."""
+
+    num_layers: int
+    sliding_window: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +72,10 @@ class EngineInfo:
     scheduler side has no KV tensors, and a store that sizes a pool there (``cpu``) needs it.
     ``kv_replicated``: every rank holds the same KV (MLA's latent cache is not split by heads), so
     there is one copy to share, rank 0's (:attr:`kv_rank`), whatever the tensor-parallel size.
+    ``kv_groups``: the KV-cache groups where there are several (empty: one group, every layer). Then
+    every list of a request's block ids is *group-major*: group 0's id for each block position, then
+    group 1's, and so on (``len(groups) * positions`` ids, :func:`split_groups`). Only a backend that
+    declares :attr:`Backend.supports_kv_groups` is given more than one group.
     """
 
     engine_id: str
@@ -70,6 +86,7 @@ class EngineInfo:
     world_size: int = 1
     block_bytes: int = 0
     kv_replicated: bool = False
+    kv_groups: tuple[KVGroup, ...] = ()
 
     @property
     def kv_rank(self) -> int:
@@ -313,6 +330,7 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     kind: ClassVar[Literal["store", "peer"]]
     options_type: ClassVar[type[Any]]
+    supports_kv_groups: ClassVar[bool] = False  # moves the blocks of several KV-cache groups (EngineInfo.kv_groups)
 
     def __init__(self, options: Any):
         self.options = options
@@ -326,8 +344,21 @@ class Backend(abc.ABC):
         """A new worker side for ``engine`` (one per rank)."""
 
 
+def split_groups(block_ids: Sequence[int], groups: int) -> list[tuple[int, ...]]:
+    """Group-major block ids (:attr:`EngineInfo.kv_groups`) as one tuple per group."""
+    if groups <= 1:
+        return [tuple(block_ids)]
+    if len(block_ids) % groups:
+        raise ValueError(f"{len(block_ids)} block ids do not split into {groups} groups")
+    n = len(block_ids) // groups
+    return [tuple(block_ids[g * n : (g + 1) * n]) for g in range(groups)]
+
+
 __all__ = [
     "EMPTY_PLAN",
+    "NULL_BLOCK",
+    "KVGroup",
+    "split_groups",
     "Backend",
     "BlockLoad",
     "BlockSave",

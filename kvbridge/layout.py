@@ -125,7 +125,7 @@ def reslice(ours: LayoutFingerprint, rank: int, tp: int, their_tp: int) -> tuple
     """
     if ours.kv_format == MLA or tp == their_tp:
         return ours, {rank % their_tp: Cut(0, 0, ours.block_bytes)}
-    if ours.kv_format != BLOCKS_FIRST:
+    if ours.kv_format.partition("+")[0] != BLOCKS_FIRST:  # (+groups: every group's layers are cut alike)
         raise LayoutMismatch(f"KV in {ours.kv_format} blocks cannot be re-sliced from tp={their_tp} to tp={tp} "
                              f"(a head is one stretch of a block only in {BLOCKS_FIRST})")
     heads = ours.num_kv_heads * tp
@@ -198,6 +198,10 @@ class BlockAddressing:
             raise LayoutMismatch("malformed block addressing: empty or out of range")
         return out
 
+    def select(self, layers: range) -> BlockAddressing:
+        """The same blocks in ``layers`` only (one KV-cache group's, :attr:`KVLayout.groups`)."""
+        return BlockAddressing(self.bases[layers.start : layers.stop], self.block_stride, self.pieces)
+
     def narrowed(self, offset: int, length: int) -> BlockAddressing:
         """The same blocks cut down to bytes ``[offset, offset + length)`` of each (a :class:`Cut`'s side);
         only where a block is one piece (:class:`LayoutMismatch` otherwise)."""
@@ -267,8 +271,13 @@ class KVLayout:
     block ``b`` whatever the underlying format and strides. Build one with :meth:`from_tensors`.
     """
 
-    def __init__(self, names: Sequence[str], block_views: Sequence[torch.Tensor], fingerprint: LayoutFingerprint):
+    def __init__(self, names: Sequence[str], block_views: Sequence[torch.Tensor], fingerprint: LayoutFingerprint,
+                 groups: Sequence[int] = ()):
         self.layer_names = tuple(names)
+        # the layers of each KV-cache group, in order (one group of every layer unless told otherwise)
+        counts = list(groups) or [len(block_views)]
+        starts = np.cumsum([0, *counts]).tolist()
+        self.groups = tuple(range(a, b) for a, b in zip(starts, starts[1:]))
         self.layers = tuple(block_views)
         self.fingerprint = fingerprint
         first = self.layers[0]
@@ -294,13 +303,16 @@ class KVLayout:
         *,
         block_size: int | None = None,
         kv_dtype: str | None = None,
+        groups: Sequence[int] = (),
     ) -> KVLayout:
         """Build a layout from per-layer KV tensors (in layer order), refusing what cannot be addressed.
 
         ``block_size``, when given, is checked against the tensors (a mismatch means the shape was
         misread and is refused rather than guessed). ``kv_dtype`` is what the engine says the bytes
         are where the tensor's dtype does not say it (``"fp8_e4m3"`` in a ``uint8`` tensor); it joins
-        the fingerprint's ``dtype`` as ``uint8:fp8_e4m3``.
+        the fingerprint's ``dtype`` as ``uint8:fp8_e4m3``. ``groups``: how many layers each KV-cache group
+        has, the tensors given group by group (vLLM's hybrid manager lets one layer of each group share
+        a tensor: their blocks are told apart by id); it joins the fingerprint's ``kv_format``.
         """
         if isinstance(tensors, Mapping):
             names, views = list(tensors.keys()), list(tensors.values())
@@ -347,11 +359,16 @@ class KVLayout:
             raise LayoutError(f"tensor shape {shape} ({fmt}) has block_size {n_tok}, engine says {block_size}")
         block_views = [t.movedim(axis, 0) for t in views]
         block_bytes = int(np.prod(block_views[0].shape[1:])) * first.element_size()
-        seen: dict[int, str] = {}
-        for name, t in zip(names, views):
-            if t.data_ptr() in seen:
-                raise LayoutError(f"layers {seen[t.data_ptr()]!r} and {name!r} share memory")
-            seen[t.data_ptr()] = name
+        if groups and (sum(groups) != len(views) or min(groups) < 1):
+            raise LayoutError(f"KV-cache groups of {list(groups)} layers for {len(views)} layers")
+        group_of = np.repeat(np.arange(len(groups) or 1), list(groups) or [len(views)])
+        seen: dict[tuple[int, int], str] = {}
+        for name, t, g in zip(names, views, group_of.tolist()):
+            if (g, t.data_ptr()) in seen:
+                raise LayoutError(f"layers {seen[g, t.data_ptr()]!r} and {name!r} share memory")
+            seen[g, t.data_ptr()] = name
+        if len(groups) > 1:
+            fmt = f"{fmt}+groups:{'-'.join(map(str, groups))}"
         dtype = str(first.dtype).removeprefix("torch.")
         if kv_dtype and kv_dtype not in ("auto", dtype):
             dtype = f"{dtype}:{kv_dtype}"
@@ -364,7 +381,7 @@ class KVLayout:
             block_bytes=block_bytes,
             kv_format=fmt,
         )
-        return cls(names, block_views, fp)
+        return cls(names, block_views, fp, groups)
 
     # ---- addressing ----------------------------------------------------------------------------
     def layer_index(self, name: str) -> int:

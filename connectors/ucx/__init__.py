@@ -41,6 +41,7 @@ class UcxBackend(Backend):
     name: ClassVar[str] = "ucx"
     kind: ClassVar[Literal["store", "peer"]] = "peer"
     options_type: ClassVar[type[Any]] = UcxOptions
+    supports_kv_groups: ClassVar[bool] = True  # one-sided reads address each group's layers apart
 
     def __init__(self, options: UcxOptions):
         writable_directory(str(options.registry), "ucx option 'registry_dir'", mode=0o700)

@@ -327,14 +327,18 @@ def sealed(src: Source, seal: Seal) -> bool:
 
 
 def read(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.ndarray, local_ids: np.ndarray,
-         timeout_s: float) -> int:
+         timeout_s: float, layers: range | None = None) -> int:
     """Read blocks ``remote_ids`` of ``src`` into the local blocks ``local_ids`` (``mine``: ``layout``'s
-    addressing), every layer, in one batch. Raises on any failure (the caller counts nothing as loaded then)."""
+    addressing), every layer (or ``layers``: one KV-cache group's), in one batch. Raises on any failure
+    (the caller counts nothing as loaded then)."""
     layout.check_ids(local_ids)
     # only addresses inside the producer's KV: over tcp its UCX serves whatever address it is asked for
+    # (a NULL_BLOCK the producer no longer kept fails here too: a group's block it cannot give)
     if len(remote_ids) and (int(remote_ids.min()) < 0 or int(remote_ids.max()) >= src.num_blocks):
         raise ProtocolError(f"remote block ids outside the producer's [0, {src.num_blocks})")
-    remote = src.addressing.addresses(remote_ids)
+    theirs = src.addressing if layers is None else src.addressing.select(layers)
+    mine = mine if layers is None else mine.select(layers)
+    remote = theirs.addresses(remote_ids)
     local = mine.addresses(local_ids)
     lengths = mine.lengths(len(local_ids))
     mod, _ = native.load()
@@ -345,8 +349,9 @@ def read(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.nd
         except OSError as exc:
             raise PeerUnreachable(f"cma read from pid {src.pid}: {exc}") from None
     assert src.layer_rkey is not None
-    per_layer = len(remote) // len(src.addressing.bases)
-    rkeys = np.repeat(src.layer_rkey, per_layer)
+    layer_rkey = src.layer_rkey if layers is None else src.layer_rkey[layers.start : layers.stop]
+    per_layer = len(remote) // len(theirs.bases)
+    rkeys = np.repeat(layer_rkey, per_layer)
     t0 = time.monotonic()
     try:
         return int(src.ep.get(remote, local, lengths, rkeys, timeout_s))

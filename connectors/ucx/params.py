@@ -23,6 +23,10 @@ import numpy as np
 from kvbridge.connectors.ucx import onesided
 from kvbridge.connectors.ucx.wire import MAX_BLOCK_ID, MAX_ID_BYTES, MAX_PULL_IDS
 
+from kvbridge.contract import NULL_BLOCK
+
+MAX_GROUPS = 16  # KV-cache groups a hand-off may name (vLLM's hybrid models have 2 or 3)
+
 PARAMS_VERSION = 1  # transfer_params["kvbridge_version"]
 PLAN = "ucx"  # StepPlan.extra key of the scheduler's UcxPlan
 
@@ -54,7 +58,9 @@ class UcxSource:
     ``remote_block_ids`` are the producer's blocks for this load's local ones, in order;
     ``metadata_addresses`` one per producer rank (empty: rank 0's ``metadata_address`` only);
     ``grant`` the producer scheduler's signature over the hand-off (empty from an older producer);
-    ``seal`` what the producer's seal table holds while the hand-off lasts (:mod:`.onesided`).
+    ``seal`` what the producer's seal table holds while the hand-off lasts (:mod:`.onesided`);
+    ``group_sizes`` where the engines have several KV-cache groups: how many of the load's ids (local
+    and remote alike, group-major) belong to each group (empty: one group).
     """
 
     engine_id: str
@@ -65,9 +71,10 @@ class UcxSource:
     expires_at: float
     grant: bytes = b""
     seal: onesided.Seal = onesided.NO_SEAL
+    group_sizes: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, params: Mapping[str, Any], remote_block_ids: tuple[int, ...]) -> UcxSource:
+    def of(cls, params: Mapping[str, Any], remote_block_ids: tuple[int, ...], group_sizes: tuple[int, ...] = ()) -> UcxSource:
         """From :func:`usable_params`' output (already checked), for the named slice of its blocks."""
         return cls(
             engine_id=str(params["engine_id"]),
@@ -78,6 +85,7 @@ class UcxSource:
             expires_at=float(params["expires_at"]),
             grant=bytes.fromhex(str(params.get("grant", ""))),
             seal=seal_of(params),
+            group_sizes=group_sizes,
         )
 
     @property
@@ -102,9 +110,11 @@ def seal_of(params: Mapping[str, Any]) -> onesided.Seal:
 
 
 def handoff_params(engine_id: str, request_id: str, block_ids: tuple[int, ...], num_tokens: int, expires_at: float,
-                   grant_key: bytes, addresses: Sequence[str | None], seal: onesided.Seal = onesided.NO_SEAL) -> dict[str, Any]:
+                   grant_key: bytes, addresses: Sequence[str | None], seal: onesided.Seal = onesided.NO_SEAL,
+                   groups: int = 1) -> dict[str, Any]:
     """The transfer params a producer hands out for ``request_id`` (JSON-able: they travel through clients;
-    the seal's word as hex, since JSON readers elsewhere may hold integers as doubles)."""
+    the seal's word as hex, since JSON readers elsewhere may hold integers as doubles). With several
+    KV-cache groups, ``block_ids`` are group-major, ``NULL_BLOCK`` (-1) where a group kept none."""
     params: dict[str, Any] = {
         "kvbridge_version": PARAMS_VERSION,
         "engine_id": engine_id,
@@ -117,6 +127,8 @@ def handoff_params(engine_id: str, request_id: str, block_ids: tuple[int, ...], 
     }
     if seal != onesided.NO_SEAL:
         params["seal"] = [seal[0], f"{seal[1]:016x}"]
+    if groups > 1:
+        params["groups"] = groups
     if len(addresses) > 1 and all(addresses):
         params["metadata_addresses"] = list(addresses)
     return params
@@ -158,11 +170,15 @@ def check_params(params: Any) -> tuple[Mapping[str, Any] | None, str]:
         many = params.get("metadata_addresses", ())
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         return None, f"malformed ({type(exc).__name__}: {exc})"
-    if not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= MAX_PULL_IDS:
-        return None, f"block_ids must be a list of 1 to {MAX_PULL_IDS} ids"
+    groups = params.get("groups", 1)
+    if not _is_int(groups) or not 1 <= groups <= MAX_GROUPS:
+        return None, f"groups must be an int in 1..{MAX_GROUPS}"
+    if not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= MAX_PULL_IDS or len(ids) % groups:
+        return None, f"block_ids must be a list of 1 to {MAX_PULL_IDS} ids, the same number per group"
     arr = np.asarray(ids)  # object or bool dtype for anything but plain ints (floats, strings, huge ints)
-    if arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > MAX_BLOCK_ID:
-        return None, f"block_ids must be ints in 0..{MAX_BLOCK_ID}"
+    lowest = NULL_BLOCK if groups > 1 else 0  # a group may keep no block at a position (a sliding window)
+    if arr.dtype.kind not in "iu" or int(arr.min()) < lowest or int(arr.max()) > MAX_BLOCK_ID:
+        return None, f"block_ids must be ints in {lowest}..{MAX_BLOCK_ID}"
     if not _is_int(n) or n <= 0 or not math.isfinite(expires_at):
         return None, "num_tokens or expires_at out of range"
     if expires_at < time.time():

@@ -253,7 +253,10 @@ class Puller:
         return set()
 
     def _count(self, op: BlockLoad, t0: float, *, sealed: bool) -> None:
-        nbytes = len(op.block_ids) * self.layout.num_layers * self.layout.block_bytes
+        sizes = op.source.group_sizes if isinstance(op.source, UcxSource) else ()
+        layers = (sum(n * len(g) for n, g in zip(sizes, self.layout.groups)) if sizes
+                  else len(op.block_ids) * self.layout.num_layers)  # each group's ids move its own layers
+        nbytes = layers * self.layout.block_bytes
         self.stats.add(load_bytes=nbytes, load_blocks=len(op.block_ids), load_seconds=time.perf_counter() - t0,
                        sealed_loads=int(sealed))
 
@@ -267,8 +270,17 @@ class Puller:
             raise ProtocolError(f"transfer params of {rid} carry no grant: a one-sided read needs one")
         if src.expires_at < time.time():
             raise ProtocolError(f"the lease of {rid} at {src.engine_id} is over")
-        onesided.read(source, self.layout, mine or self.addressing, remote, np.asarray(op.block_ids, dtype=np.int64),
-                      self.options.timeout_s)
+        local = np.asarray(op.block_ids, dtype=np.int64)
+        if not src.group_sizes:
+            onesided.read(source, self.layout, mine or self.addressing, remote, local, self.options.timeout_s)
+            return
+        if len(src.group_sizes) != len(self.layout.groups):
+            raise ProtocolError(f"a load of {len(src.group_sizes)} KV-cache groups; this engine has {len(self.layout.groups)}")
+        at = np.cumsum([0, *src.group_sizes])
+        for layers, a, b in zip(self.layout.groups, at, at[1:]):  # each group's blocks in its own layers
+            if b > a:
+                onesided.read(source, self.layout, mine or self.addressing, remote[a:b], local[a:b],
+                              self.options.timeout_s, layers)
 
     # ---- two-sided ----
     def _pull_two_sided(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource) -> set[int]:
@@ -311,6 +323,9 @@ class Puller:
     def _pull(self, peer: _Peer, op: BlockLoad, src: UcxSource, arrived: list[int]) -> None:
         """Receive and scatter every chunk, counting the blocks in place in ``arrived[0]``."""
         layout, timeout = self.layout, self.options.timeout_s
+        if src.group_sizes:
+            raise ProtocolError("blocks of several KV-cache groups move one-sided only (the two-sided lane "
+                                "sends whole blocks of every layer)")
         remote = self._remote_ids(op, src)
         per = max(1, self.options.chunk_bytes // (layout.num_layers * layout.block_bytes))
         per = max(per, -(-len(remote) // (rtmod.MAX_CHUNKS - 1)))

