@@ -174,6 +174,8 @@ def kv_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
     except ImportError:
         return ()
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) <= 1 and not (groups and isinstance(groups[0].kv_cache_spec, SlidingWindowSpec)):
+        return ()  # one group of every layer, whatever its spec (MLA's too)
     out = []
     for g in groups:
         spec = g.kv_cache_spec

@@ -25,6 +25,7 @@ unless ``multiprocess`` (engine core and worker in their own processes, as in a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -131,7 +132,9 @@ def main() -> None:
         while not os.path.exists(spec["hold"]) and time.monotonic() < deadline:
             llm.llm_engine.step() if llm.llm_engine.has_unfinished_requests() else time.sleep(0.05)
     namespace = worker_conn.engine.namespace if worker_conn else None
-    _write_json(sys.argv[2], {"results": results, "totals": totals(), "namespace": namespace, "init_s": t_init - t0})
+    groups = [dataclasses.asdict(g) for g in worker_conn.engine.kv_groups] if worker_conn else None
+    _write_json(sys.argv[2], {"results": results, "totals": totals(), "namespace": namespace, "kv_groups": groups,
+                              "init_s": t_init - t0})
     if spec.get("done"):
         open(spec["done"], "w").close()
 

@@ -28,9 +28,11 @@ def vl() -> Any:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.outputs import KVConnectorOutput
 
+    from kvbridge.contract import KVGroup
     from kvbridge.vllm import connector
 
-    return NS(KVTransferConfig=KVTransferConfig, Factory=KVConnectorFactory, Role=KVConnectorRole, Output=KVConnectorOutput, c=connector)
+    return NS(KVTransferConfig=KVTransferConfig, Factory=KVConnectorFactory, Role=KVConnectorRole, Output=KVConnectorOutput,
+              c=connector, KVGroup=KVGroup)
 
 
 def config(vl: Any, role: str, extra: dict, connector: str = "kvbridge.KVBridgeConnector", engine_id: str = "e") -> Any:
@@ -300,6 +302,48 @@ def test_mla_kv_is_one_copy_shared_by_every_tp_size(vl: Any) -> None:
     assert one.block_size == 16 and one.block_bytes == 2 * 36864
     plain = vl.c.engine_info(tp2, KV_CACHE_CONFIG, worker=True)
     assert not plain.kv_replicated and plain.kv_world_size == 2 and plain.block_size == BS
+
+
+def test_kv_cache_groups_from_vllms_specs(vl: Any) -> None:
+    """A sliding-window group and a full-attention one (real vLLM classes) become kvbridge's KV groups;
+    one full-attention group is none; a Mamba group is refused with its name."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32, sliding_window=64)
+
+    def cfg(*groups: Any) -> Any:
+        return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec([f"{i}.{j}" for j in range(n)], spec) for i, (n, spec) in enumerate(groups)])
+
+    assert vl.c.kv_groups(cfg((2, full))) == ()
+    assert vl.c.kv_groups(cfg((1, swa), (3, full))) == (vl.KVGroup(1, 64), vl.KVGroup(3, 0))
+    assert vl.c.kv_groups(cfg((2, swa))) == (vl.KVGroup(2, 64),), "one sliding group still nulls blocks"
+    mamba = MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,))
+    with pytest.raises(ConfigError, match="MambaSpec"):
+        vl.c.kv_groups(cfg((1, full), (1, mamba)))
+
+
+def test_grouped_block_ids_are_group_major_with_nulls(vl: Any) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32, sliding_window=64)
+    kcc = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], swa), KVCacheGroupSpec(["l1"], full)])
+    sched = vl.c.UCXConnector(config(vl, "kv_consumer", {}, connector="kvbridge.UCXConnector"), vl.Role.SCHEDULER, kcc)
+    try:
+        assert sched._scheduler.flat(([0, 0, 7, 8], [3, 4, 5, 6])) == [-1, -1, 7, 8, 3, 4, 5, 6]
+        plain = vl.c.SchedulerAdapter(sched._scheduler.side, vl.c.engine_info(config(vl, "kv_both", {}), KV_CACHE_CONFIG, worker=False))
+        assert plain.flat(([0, 3, 4],)) == [0, 3, 4], "one full group: vLLM's ids as they are"
+    finally:
+        sched.shutdown()
 
 
 def test_fp8_kv_cache_names_its_bytes_in_the_fingerprint(vl: Any) -> None:

