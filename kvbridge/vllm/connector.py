@@ -31,6 +31,11 @@ Mapping, in vLLM's call order:
   ``poll`` (failed blocks are kept for ``get_block_ids_with_load_errors``, so vLLM recomputes them);
 - ``update_connector_output`` -> ``on_report``; ``request_finished`` -> ``on_finished``.
 
+KV-cache groups (vLLM's hybrid manager: sliding-window and full-attention layers apart): a backend that
+declares ``supports_kv_groups`` (ucx) gets every group (``EngineInfo.kv_groups``, group-major block ids,
+vLLM's null block as ``NULL_BLOCK``), and its connector class is ``SupportsHMA``; the others are not,
+so vLLM turns its hybrid manager off and they see one group.
+
 One guard keeps a backend's answers from confusing vLLM: a request that ends during its async load
 keeps only vLLM's own hold on its blocks (see :meth:`SchedulerAdapter.request_finished`). (That a
 request whose load failed is never offered a load again is the backends' own rule, kept by the
