@@ -19,6 +19,7 @@ import torch
 import kvbridge
 from kvbridge.layout import KVLayout
 from kvbridge.testing import MiniEngine
+from kvbridge.testing.conformance import LAYOUTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")]
 PEER = Path(__file__).with_name("native_peer.py")
@@ -50,6 +51,20 @@ def test_stores_with_a_cuda_kv_cache(name: str, tmp_path: Path) -> None:
     producer.close()
     if consumer is not producer:
         consumer.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_every_layout_through_fs_with_a_cuda_kv_cache(layout: dict, tmp_path: Path) -> None:
+    """The conformance suite's layouts (heads-major, K/V-first, MLA, fp8 in uint8 and float8) on CUDA."""
+    backend = kvbridge.create_backend("fs", {"path": str(tmp_path)})
+    producer = MiniEngine(backend, engine_id="p", device="cuda", seed=1, **layout)
+    consumer = MiniEngine(backend, engine_id="c", device="cuda", seed=2, **layout)
+    tokens = list(range(16 * 5 + 1))
+    sent = producer.prefill("r", tokens)
+    got = consumer.prefill("r2", tokens)
+    assert got.loaded_tokens == 80 and torch.equal(got.snapshot[:, :5], sent.snapshot[:, :5])
+    producer.close()
+    consumer.close()
 
 
 def test_native_get_from_gpu_memory_of_another_process() -> None:
