@@ -64,6 +64,12 @@ def block_keys(
     return keys
 
 
+def group_key(key: bytes, group: int) -> bytes:
+    """The key of one KV-cache group's block at the position ``key`` names (vLLM's hybrid manager keeps
+    a block per group per position: a sliding-window layer's KV is not a full-attention layer's)."""
+    return hashlib.sha256(key + b"\x00group" + group.to_bytes(4, "little")).digest()[:KEY_BYTES]
+
+
 def engine_keys(hashes: Iterable[bytes | int | str]) -> list[bytes]:
     """Turn an engine's own per-block hashes into kvbridge keys (bytes), unchanged in meaning.
 
@@ -83,4 +89,4 @@ def engine_keys(hashes: Iterable[bytes | int | str]) -> list[bytes]:
     return out
 
 
-__all__ = ["KEY_BYTES", "block_keys", "engine_keys", "namespace_key"]
+__all__ = ["KEY_BYTES", "block_keys", "engine_keys", "group_key", "namespace_key"]

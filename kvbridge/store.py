@@ -31,11 +31,13 @@ from typing import Any, ClassVar
 import torch
 
 from kvbridge.contract import (
+    NULL_BLOCK,
     Backend,
     BlockLoad,
     BlockSave,
     EngineInfo,
     FinishDecision,
+    KVGroup,
     Lookup,
     RequestInfo,
     ScheduledRequest,
@@ -43,8 +45,10 @@ from kvbridge.contract import (
     StepPlan,
     WorkerReport,
     WorkerSide,
+    split_groups,
 )
 from kvbridge.errors import KVBridgeError
+from kvbridge.keys import group_key
 from kvbridge.layout import KVLayout
 from kvbridge.lifecycle import Ending, LoadBook, Transfers
 from kvbridge.stats import TransferStats
@@ -135,9 +139,13 @@ class LayerwiseIO(typing.Protocol):
 
 
 class StoreBackend(Backend):
-    """A backend made of a :class:`StoreIndex` and a :class:`StoreIO`: subclasses open each."""
+    """A backend made of a :class:`StoreIndex` and a :class:`StoreIO`: subclasses open each.
+
+    Every store takes several KV-cache groups (:class:`_Groups` in the scheduler; the worker's layout
+    then holds each shared tensor once, so a block id moves the bytes of whichever group owns it)."""
 
     kind: ClassVar = "store"
+    supports_kv_groups: ClassVar[bool] = True
 
     @abc.abstractmethod
     def open_index(self, engine: EngineInfo) -> StoreIndex:
@@ -162,6 +170,41 @@ class _Tracked:
     saved_upto: int = 0  # prompt blocks saved or already present
     saving: bool = False  # a save of it went out: at its end the worker may still be reading its blocks
     looked_up: bool = False  # the store was asked (the engine may ask again; the answer must not change)
+    group_keys: tuple[tuple[bytes, ...], ...] = ()  # per KV-cache group, where the engine has several
+
+
+class _Groups:
+    """A grouped engine's requests (:attr:`EngineInfo.kv_groups`): one block per group per position,
+    each stored under its own key (:func:`~kvbridge.keys.group_key`); a sliding-window group keeps, and
+    so loads, only the blocks its window covers. Saves and reservations of group ``g`` go under
+    request id ``rid#g``, so a store's per-request state (fs's chunk being written) stays per group."""
+
+    def __init__(self, engine: EngineInfo):
+        self.groups, self.bs = engine.kv_groups, engine.block_size
+
+    def keys(self, tracked: _Tracked) -> tuple[tuple[bytes, ...], ...]:
+        if not tracked.group_keys:
+            tracked.group_keys = tuple(tuple(group_key(k, g) for k in tracked.info.block_keys) for g in range(len(self.groups)))
+        return tracked.group_keys
+
+    def needed(self, group: KVGroup, computed: int, total: int) -> range:
+        """Positions of ``group`` an engine at ``total`` tokens holds, from ``computed`` tokens on (vLLM
+        gives back a sliding group's blocks before token ``total - window + 1``)."""
+        first = computed // self.bs
+        if group.sliding_window:
+            first = max(first, max(0, total - group.sliding_window + 1) // self.bs)
+        return range(first, -(-total // self.bs))
+
+    @staticmethod
+    def rid(request_id: str, group: int) -> str:
+        return f"{request_id}#{group}"
+
+    def position(self, tracked: _Tracked, key: bytes) -> int:
+        """The position of a group's key in its request."""
+        for keys in self.keys(tracked):
+            if key in keys:
+                return keys.index(key)
+        raise KeyError(key)
 
 
 class StoreScheduler(SchedulerSide):
@@ -176,6 +219,8 @@ class StoreScheduler(SchedulerSide):
         self._saving_held: list[str] = []  # ended with saves out: the next plan names them held
         self._releasing: set[str] = set()  # held for their saves: reservations go with the worker's report
         self._flush: list[str] = []
+        self._groups = _Groups(engine) if engine.kv_groups else None
+        self._window_saves: set[str] = set()  # saved sliding-window blocks this step: the next plan flushes them
 
     @property
     def _saves(self) -> bool:
@@ -190,7 +235,8 @@ class StoreScheduler(SchedulerSide):
             return Lookup(0)
         if not tracked.looked_up:  # the engine asks again every step a request waits: ask the store once
             try:
-                hit = self.index.contains_prefix(request.block_keys)
+                hit = (self.index.contains_prefix(request.block_keys) if self._groups is None
+                       else self._grouped_hit(tracked, num_computed_tokens))
             except KVBridgeError as exc:  # a store that cannot answer is a miss, not a failed request
                 log.warning("lookup failed for %s: %s", request.request_id, exc)
                 hit = 0
@@ -201,6 +247,20 @@ class StoreScheduler(SchedulerSide):
         loadable = min(tracked.hit_blocks * bs, request.num_prompt_tokens - 1)
         return Lookup(max(0, loadable - num_computed_tokens), is_async=not self.index.layerwise)
 
+    def _grouped_hit(self, tracked: _Tracked, computed: int) -> int:
+        """The blocks a grouped engine can load: the prefix every full-attention group holds, if each
+        sliding-window group holds what its window at that point covers; else none."""
+        assert self._groups is not None
+        groups, keys = self._groups.groups, self._groups.keys(tracked)
+        hit = min((self.index.contains_prefix(k) for g, k in zip(groups, keys) if not g.sliding_window),
+                  default=len(tracked.info.block_keys))
+        total = min(hit * self.engine.block_size, tracked.info.num_prompt_tokens - 1)
+        for group, k in zip(groups, keys):
+            need = self._groups.needed(group, computed, total)
+            if group.sliding_window and len(need) and self.index.contains_prefix(k[need.start : need.stop]) < len(need):
+                return 0
+        return hit
+
     def on_allocated(self, request: RequestInfo, block_ids: Sequence[int], num_external_tokens: int) -> None:
         self._check_open()
         tracked = self._requests.setdefault(request.request_id, _Tracked(request))
@@ -209,17 +269,39 @@ class StoreScheduler(SchedulerSide):
         bs = self.engine.block_size
         first = tracked.num_computed // bs
         last = -(-(tracked.num_computed + num_external_tokens) // bs)  # ceil
+        if self._groups is not None:
+            self._plan_grouped_load(tracked, block_ids, tracked.num_computed + num_external_tokens)
+            return
         keys = request.block_keys[first:last]
         source = self.index.reserve_load(request.request_id, keys)
         self.loads.plan(BlockLoad(request.request_id, tuple(block_ids[first:last]), tuple(keys), source,
                                   layerwise=self.index.layerwise))
 
+    def _plan_grouped_load(self, tracked: _Tracked, block_ids: Sequence[int], total: int) -> None:
+        """One load of every group's blocks the engine keeps (group-major), each from its group's key."""
+        assert self._groups is not None
+        ids: list[int] = []
+        keys: list[bytes] = []
+        for group, mine, k in zip(self._groups.groups, split_groups(block_ids, len(self._groups.groups)),
+                                  self._groups.keys(tracked)):
+            for i in self._groups.needed(group, tracked.num_computed, total):
+                if i < len(mine) and mine[i] != NULL_BLOCK:
+                    ids.append(mine[i])
+                    keys.append(k[i])
+        rid = tracked.info.request_id
+        self.loads.plan(BlockLoad(rid, tuple(ids), tuple(keys), self.index.reserve_load(rid, keys),
+                                  layerwise=self.index.layerwise))
+
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         self._check_open()
-        saves = [op for req in scheduled if (op := self._save_of(req)) is not None] if self._saves else []
+        if self._groups is not None:
+            saves = [op for req in scheduled for op in self._grouped_saves(req)] if self._saves else []
+        else:
+            saves = [op for req in scheduled if (op := self._save_of(req)) is not None] if self._saves else []
         loads, held = self.loads.take()
         held += tuple(self._saving_held)
-        flush, self._saving_held, self._flush = tuple(self._flush), [], []
+        flush, self._saving_held, self._flush = tuple(self._flush), [], sorted(self._window_saves)
+        self._window_saves = set()
         return StepPlan(loads=loads, saves=tuple(saves), held=held, flush=flush)
 
     def _save_of(self, req: ScheduledRequest) -> BlockSave | None:
@@ -240,6 +322,40 @@ class StoreScheduler(SchedulerSide):
         tracked.saving = True
         return BlockSave(req.request_id, tuple(req.block_ids[i] for i in picked), tuple(keys[i] for i in picked), target)
 
+    def _grouped_saves(self, req: ScheduledRequest) -> list[BlockSave]:
+        """Per group, the save of the blocks this step completes (a sliding window's: all of them, since
+        the step computes them); those of a sliding group must be over before the next forward pass,
+        which may run in blocks vLLM has taken back from the window."""
+        assert self._groups is not None
+        tracked = self._requests.get(req.request_id)
+        if tracked is None:
+            return []
+        groups = self._groups.groups
+        ids = split_groups(req.block_ids, len(groups))
+        upto = min(len(tracked.info.block_keys), (req.num_computed_tokens + req.num_scheduled_tokens) // self.engine.block_size,
+                   len(ids[0]))
+        if upto <= tracked.saved_upto:
+            return []
+        span = range(tracked.saved_upto, upto)
+        tracked.saved_upto = upto
+        saves = []
+        for g, (group, mine, keys) in enumerate(zip(groups, ids, self._groups.keys(tracked))):
+            span_g = [i for i in span if mine[i] != NULL_BLOCK]
+            chosen, target = self.index.reserve_save(self._groups.rid(req.request_id, g), [keys[i] for i in span_g])
+            picked = [span_g[i] for i in chosen]
+            if picked:
+                saves.append(BlockSave(req.request_id, tuple(mine[i] for i in picked), tuple(keys[i] for i in picked), target))
+                if group.sliding_window:
+                    self._window_saves.add(req.request_id)
+        tracked.saving = tracked.saving or bool(saves)
+        return saves
+
+    def _release(self, request_id: str, failed: Sequence[bytes] = ()) -> None:
+        """Release a request's reservations (and, in a grouped engine, each group's)."""
+        self.index.release(request_id, failed)
+        for g in range(len(self._groups.groups) if self._groups is not None else 0):
+            self.index.release(_Groups.rid(request_id, g))
+
     def on_report(self, report: WorkerReport) -> None:
         self._check_open()
         for result in self.loads.report(report):
@@ -248,10 +364,12 @@ class StoreScheduler(SchedulerSide):
             self.index.release(op.request_id, failed)
             tracked = self._requests.get(op.request_id)
             if failed and tracked is not None:  # the engine recomputes from the first failed block: save those again
-                tracked.saved_upto = min(tracked.saved_upto, tracked.info.block_keys.index(failed[0]))
+                first = (tracked.info.block_keys.index(failed[0]) if self._groups is None
+                         else min(self._groups.position(tracked, k) for k in failed))
+                tracked.saved_upto = min(tracked.saved_upto, first)
         for rid in self._releasing & report.finished_saving:
             self._releasing.discard(rid)
-            self.index.release(rid)
+            self._release(rid)
 
     def on_preempted(self, request_ids: Sequence[str]) -> None:
         self._check_open()
@@ -273,7 +391,7 @@ class StoreScheduler(SchedulerSide):
             self._saving_held.append(rid)
             self._releasing.add(rid)
             return FinishDecision(delay_free=True)
-        self.index.release(rid)
+        self._release(rid)
         return FinishDecision()
 
     def close(self) -> None:

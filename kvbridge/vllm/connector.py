@@ -31,10 +31,11 @@ Mapping, in vLLM's call order:
   ``poll`` (failed blocks are kept for ``get_block_ids_with_load_errors``, so vLLM recomputes them);
 - ``update_connector_output`` -> ``on_report``; ``request_finished`` -> ``on_finished``.
 
-KV-cache groups (vLLM's hybrid manager: sliding-window and full-attention layers apart): a backend that
-declares ``supports_kv_groups`` (ucx) gets every group (``EngineInfo.kv_groups``, group-major block ids,
-vLLM's null block as ``NULL_BLOCK``), and its connector class is ``SupportsHMA``; the others are not,
-so vLLM turns its hybrid manager off and they see one group.
+KV-cache groups (vLLM's hybrid manager: sliding-window and full-attention layers apart): every connector
+here is ``SupportsHMA``, so vLLM keeps the hybrid manager on; the backend gets every group
+(``EngineInfo.kv_groups``, group-major block ids, vLLM's null block as ``NULL_BLOCK``) if it declares
+``supports_kv_groups`` (ucx and every store), else start-up fails naming it. A store's worker sees each
+shared tensor once (:func:`_shared_tensors`); ucx's sees each group's layers.
 
 One guard keeps a backend's answers from confusing vLLM: a request that ends during its async load
 keeps only vLLM's own hold on its blocks (see :meth:`SchedulerAdapter.request_finished`). (That a
@@ -210,9 +211,12 @@ def _engine_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
 
 
 def _block_bytes(kv_cache_config: Any) -> int:
-    """Bytes of one block over all attention layers of a rank, from the KV cache spec (0 if unknown)."""
+    """Bytes of one block id over a rank's KV tensors, from the KV cache spec (0 if unknown). With
+    several KV-cache groups, one layer of each shares every tensor: a block id is one group's."""
     try:
-        return sum(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+        groups = list(kv_cache_config.kv_cache_groups)
+        pages = [int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in groups]
+        return max(pages) if len(groups) > 1 else sum(pages)
     except (AttributeError, TypeError):
         return 0
 
@@ -471,15 +475,30 @@ class SchedulerAdapter:
         self.side.close()
 
 
+def _shared_tensors(kv_caches: Mapping[str, Any], group_layers: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """A grouped engine's KV as a store moves it: each tensor once. vLLM's hybrid manager lets one layer
+    of every group share each tensor, and a block id belongs to one group, so block ``b`` of every
+    tensor is exactly group-of-``b``'s block. Anything else is a :class:`ConfigError`."""
+    tensors: dict[int, tuple[str, Any]] = {}
+    for name in group_layers[0]:
+        tensors.setdefault(kv_caches[name].data_ptr(), (name, kv_caches[name]))
+    for names in group_layers:
+        if len(names) != len(tensors) or {kv_caches[n].data_ptr() for n in names} != set(tensors):
+            raise ConfigError(f"kvbridge's stores need every KV-cache group to share the same {len(tensors)} tensors "
+                              f"(one layer each); a group of {len(names)} layers does not")
+    return dict(tensors.values())
+
+
 class WorkerAdapter:
     """The worker-role half: vLLM's per-step worker calls -> a :class:`WorkerSide`."""
 
     def __init__(self, side: WorkerSide, engine: EngineInfo, kv_dtype: str = "auto",
-                 group_layers: Sequence[Sequence[str]] = ()):
+                 group_layers: Sequence[Sequence[str]] = (), per_tensor: bool = False):
         self.side = side
         self.engine = engine
         self.kv_dtype = kv_dtype  # what the KV tensors' bytes are (fp8 lives in uint8 tensors)
         self.group_layers = group_layers  # each KV-cache group's layers, where the engine has several
+        self.per_tensor = per_tensor  # a store: moves a block id across every tensor (see _shared_tensors)
         self.counters = _Counters(side)
         self.layout: KVLayout | None = None
         self._in_step = False
@@ -491,7 +510,9 @@ class WorkerAdapter:
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         counts: list[int] = []
-        if self.engine.kv_groups:  # group by group: one layer of each group may share a tensor
+        if self.engine.kv_groups and self.per_tensor:
+            kv_caches = _shared_tensors(kv_caches, self.group_layers)
+        elif self.engine.kv_groups:  # group by group: one layer of each group may share a tensor
             kv_caches = {name: kv_caches[name] for names in self.group_layers for name in names}
             counts = [len(names) for names in self.group_layers]
         self.layout = KVLayout.from_tensors(kv_caches, block_size=self.engine.block_size, kv_dtype=self.kv_dtype,
@@ -584,11 +605,12 @@ class _OtherRole:
 # ---- the connector classes ---------------------------------------------------------------------
 
 
-class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """A kvbridge backend as a vLLM KV connector; ``kv_connector_extra_config["backend"]`` names it.
 
     The subclasses fix the backend: :class:`UCXConnector`, :class:`FSConnector`,
-    :class:`CPUConnector`, :class:`ChainConnector`.
+    :class:`CPUConnector`, :class:`ChainConnector`. Each moves every KV-cache group (full attention,
+    sliding windows: ``SupportsHMA``), so vLLM keeps its hybrid KV-cache manager on.
     """
 
     backend_name: ClassVar[str | None] = None
@@ -605,11 +627,11 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         engine = engine_info(vllm_config, kv_cache_config, worker=worker, namespace=namespace)
         if engine.kv_groups and not backend.supports_kv_groups:
             raise ConfigError(f"the {name} backend moves one KV-cache group; this model has {len(engine.kv_groups)} "
-                              "(turn vLLM's hybrid KV-cache manager off, or use kvbridge.UCXConnector)")
+                              "(turn vLLM's hybrid KV-cache manager off: --disable-hybrid-kv-cache-manager)")
         self.engine = engine
         if worker:
             self._worker = WorkerAdapter(backend.worker(engine), engine, kv_cache_dtype(vllm_config),
-                                         _group_layers(kv_cache_config))
+                                         _group_layers(kv_cache_config), per_tensor=backend.kind == "store")
             self._scheduler = _OtherRole("WORKER", "scheduler")
             self._side = self._worker
         else:
@@ -660,6 +682,9 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, self._scheduler.flat((block_ids,)))
 
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, self._scheduler.flat(block_ids))
+
     # ---- both roles --------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         return self._side.counters.take()
@@ -676,14 +701,10 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._side.close()
 
 
-class UCXConnector(KVBridgeConnector, SupportsHMA):  # type: ignore[misc]
-    """Peer-to-peer pulls over UCX (``ucx`` backend); no options needed on one host. It moves every
-    KV-cache group (full attention, sliding windows), so vLLM keeps its hybrid KV-cache manager on."""
+class UCXConnector(KVBridgeConnector):
+    """Peer-to-peer pulls over UCX (``ucx`` backend); no options needed on one host."""
 
     backend_name = "ucx"
-
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request, self._scheduler.flat(block_ids))
 
 
 class FSConnector(KVBridgeConnector):

@@ -73,6 +73,8 @@ def main() -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        if not hasattr(scheduler, "totals"):  # another project's connector (vLLM's own): no kvbridge counters
+            return None, None
         return get_kv_transfer_group(), scheduler
 
     worker_conn, sched_conn = connectors()

@@ -9,9 +9,9 @@ tensor-parallel sizes.
   every rank holds the same latent KV, so a tp=2 producer writes one copy (rank 0's) through fs and a
   tp=1 consumer loads it all.
 - **Sliding window + full attention** (a tiny Gemma-2 made here: layer 0 slides over 64 tokens, layer 1
-  sees all): with ``UCXConnector`` vLLM keeps its hybrid KV-cache manager on, so the two layers are two
-  KV-cache groups; the consumer loads both groups' blocks (the sliding one only inside its window) and its
-  tokens equal a plain engine's.
+  sees all): kvbridge's connectors are ``SupportsHMA``, so vLLM keeps its hybrid KV-cache manager on and
+  the two layers are two KV-cache groups; over ucx and through fs the consumer loads both groups' blocks
+  (the sliding one only inside its window) and its tokens equal a plain engine's.
 """
 
 from __future__ import annotations
@@ -100,6 +100,28 @@ def test_sliding_window_and_full_attention_groups_hand_off_over_ucx(tmp_path: Pa
         assert not got[n]["worker"].get("failed_blocks"), got[n]
         assert got[n]["worker"].get("load_blocks") == 6 + 2, "6 blocks of the full group, the 2 in the window of the other"
         assert_same_output(got[n], plain[n])
+
+
+@pytest.mark.timeout(900)
+def test_sliding_window_and_full_attention_groups_through_fs(tmp_path: Path) -> None:
+    """The same model through the fs store: each group's blocks saved under their own keys as the
+    prefill runs (the sliding group's before vLLM hands them to another request), loaded by another engine."""
+    model = make_tiny_gemma2(tmp_path / "tiny-gemma2")
+    requests = _prompts(24)
+    extra = {"path": str(tmp_path / "store")}
+
+    def run(name: str, kv: dict[str, Any] | None, max_tokens: int) -> dict[str, Any]:
+        spec = {"model": str(model), "kv": kv, "requests": [{**r, "max_tokens": max_tokens} for r in requests]}
+        return Engine(tmp_path / "engines", name, spec).result()
+
+    run("producer", kv_config("kvbridge.FSConnector", "kv_producer", extra), 1)
+    report = run("consumer", kv_config("kvbridge.FSConnector", "kv_consumer", extra), 8)
+    plain = run("plain", None, 8)["results"]
+    assert report["kv_groups"] == [{"num_layers": 1, "sliding_window": 64}, {"num_layers": 1, "sliding_window": 0}]
+    for r in requests:
+        got = report["results"][r["name"]]
+        assert got["num_cached_tokens"] == 192 and got["worker"].get("load_blocks") == 6 + 2, got
+        assert_same_output(got, plain[r["name"]])
 
 
 @pytest.mark.timeout(900)
