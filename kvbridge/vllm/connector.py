@@ -499,6 +499,7 @@ class WorkerAdapter:
         self.kv_dtype = kv_dtype  # what the KV tensors' bytes are (fp8 lives in uint8 tensors)
         self.group_layers = group_layers  # each KV-cache group's layers, where the engine has several
         self.per_tensor = per_tensor  # a store: moves a block id across every tensor (see _shared_tensors)
+        self._aliases: dict[str, int] = {}  # a grouped store's layer names -> the index of the tensor they share
         self.counters = _Counters(side)
         self.layout: KVLayout | None = None
         self._in_step = False
@@ -511,7 +512,11 @@ class WorkerAdapter:
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         counts: list[int] = []
         if self.engine.kv_groups and self.per_tensor:
-            kv_caches = _shared_tensors(kv_caches, self.group_layers)
+            tensors = _shared_tensors(kv_caches, self.group_layers)
+            index = {t.data_ptr(): i for i, t in enumerate(tensors.values())}
+            # every layer is its tensor's: vLLM calls wait_for_layer_load / save_kv_layer for each
+            self._aliases = {name: index[t.data_ptr()] for name, t in kv_caches.items() if t.data_ptr() in index}
+            kv_caches = tensors
         elif self.engine.kv_groups:  # group by group: one layer of each group may share a tensor
             kv_caches = {name: kv_caches[name] for names in self.group_layers for name in names}
             counts = [len(names) for names in self.group_layers]
@@ -543,6 +548,8 @@ class WorkerAdapter:
     def _layer(self, name: str) -> int:
         if self.layout is None:
             raise RuntimeError("kvbridge: register_kv_caches was not called before the first forward")
+        if name in self._aliases:
+            return self._aliases[name]
         return self.layout.layer_index(name)
 
     def wait_for_layer_load(self, meta: Any, layer_name: str) -> None:
