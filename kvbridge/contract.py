@@ -61,6 +61,15 @@ class KVGroup:
     num_layers: int
     sliding_window: int = 0
 
+    def loaded(self, computed: int, total: int, block_size: int) -> range:
+        """The block positions an engine at ``total`` tokens keeps in this group from ``computed`` tokens
+        on: what a load into it covers (vLLM gives back a sliding group's blocks before token
+        ``total - window + 1``)."""
+        first = computed // block_size
+        if self.sliding_window:
+            first = max(first, max(0, total - self.sliding_window + 1) // block_size)
+        return range(first, -(-total // block_size))
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineInfo:

@@ -37,7 +37,6 @@ from kvbridge.contract import (
     BlockSave,
     EngineInfo,
     FinishDecision,
-    KVGroup,
     Lookup,
     RequestInfo,
     ScheduledRequest,
@@ -187,14 +186,6 @@ class _Groups:
             tracked.group_keys = tuple(tuple(group_key(k, g) for k in tracked.info.block_keys) for g in range(len(self.groups)))
         return tracked.group_keys
 
-    def needed(self, group: KVGroup, computed: int, total: int) -> range:
-        """Positions of ``group`` an engine at ``total`` tokens holds, from ``computed`` tokens on (vLLM
-        gives back a sliding group's blocks before token ``total - window + 1``)."""
-        first = computed // self.bs
-        if group.sliding_window:
-            first = max(first, max(0, total - group.sliding_window + 1) // self.bs)
-        return range(first, -(-total // self.bs))
-
     @staticmethod
     def rid(request_id: str, group: int) -> str:
         return f"{request_id}#{group}"
@@ -256,7 +247,7 @@ class StoreScheduler(SchedulerSide):
                   default=len(tracked.info.block_keys))
         total = min(hit * self.engine.block_size, tracked.info.num_prompt_tokens - 1)
         for group, k in zip(groups, keys):
-            need = self._groups.needed(group, computed, total)
+            need = group.loaded(computed, total, self.engine.block_size)
             if group.sliding_window and len(need) and self.index.contains_prefix(k[need.start : need.stop]) < len(need):
                 return 0
         return hit
@@ -266,12 +257,12 @@ class StoreScheduler(SchedulerSide):
         tracked = self._requests.setdefault(request.request_id, _Tracked(request))
         if num_external_tokens <= 0:
             return
-        bs = self.engine.block_size
-        first = tracked.num_computed // bs
-        last = -(-(tracked.num_computed + num_external_tokens) // bs)  # ceil
         if self._groups is not None:
             self._plan_grouped_load(tracked, block_ids, tracked.num_computed + num_external_tokens)
             return
+        bs = self.engine.block_size
+        first = tracked.num_computed // bs
+        last = -(-(tracked.num_computed + num_external_tokens) // bs)  # ceil
         keys = request.block_keys[first:last]
         source = self.index.reserve_load(request.request_id, keys)
         self.loads.plan(BlockLoad(request.request_id, tuple(block_ids[first:last]), tuple(keys), source,
@@ -284,7 +275,7 @@ class StoreScheduler(SchedulerSide):
         keys: list[bytes] = []
         for group, mine, k in zip(self._groups.groups, split_groups(block_ids, len(self._groups.groups)),
                                   self._groups.keys(tracked)):
-            for i in self._groups.needed(group, tracked.num_computed, total):
+            for i in group.loaded(tracked.num_computed, total, self.engine.block_size):
                 if i < len(mine) and mine[i] != NULL_BLOCK:
                     ids.append(mine[i])
                     keys.append(k[i])

@@ -107,12 +107,8 @@ class UcxScheduler(SchedulerSide):
         for it: those from ``computed`` to ``total`` tokens that the window at ``total`` covers (vLLM
         nulls a sliding group's blocks before token ``total - window + 1``)."""
         bs = self.engine.block_size
-        last = -(-total // bs)
-        for group, ids in zip(self._groups, remote):
-            first = max(computed // bs, max(0, total - group.sliding_window + 1) // bs if group.sliding_window else 0)
-            if any(i == NULL_BLOCK for i in ids[first:last]):
-                return False
-        return True
+        return not any(NULL_BLOCK in ids[kept.start : kept.stop]
+                       for group, ids in zip(self._groups, remote) if (kept := group.loaded(computed, total, bs)))
 
     def _refuse(self, request_id: str, why: str) -> None:
         """A hand-off that cannot be used is a miss (the engine recomputes), said once per request."""
