@@ -70,6 +70,24 @@ def group_key(key: bytes, group: int) -> bytes:
     return hashlib.sha256(key + b"\x00group" + group.to_bytes(4, "little")).digest()[:KEY_BYTES]
 
 
+ROUTE_TOKENS = 16  # the granularity of routing keys: every engine block size vLLM uses is a multiple
+_ROUTE_DOMAIN = "kvbridge-route-v1"
+
+
+def route_keys(token_ids: Sequence[int] | np.ndarray, model: str, *, salt: str = "", parent: bytes | None = None,
+               chunk: int = ROUTE_TOKENS) -> list[bytes]:  # fmt: skip
+    """Keys a router can compute and an engine can publish: every full ``chunk`` of ``token_ids``,
+    chained like :func:`block_keys`, in a namespace of the *served* model name (the ``model`` of an
+    OpenAI request) and the request's ``cache_salt``.
+
+    They are not the block keys a store uses: those carry dtypes, revision and block size, which a
+    router does not know. A fixed chunk of 16 tokens divides every engine's block size, so an engine
+    publishes the chunks of its full blocks and a router needs no block size to ask. ``parent`` (the
+    key of the chunk just before ``token_ids[0]``) continues a chain, as in :func:`block_keys`."""
+    namespace = f"{_ROUTE_DOMAIN}|model={model}" + (f"|salt={salt}" if salt else "")
+    return block_keys(token_ids, chunk, namespace=namespace, parent=parent)
+
+
 def engine_keys(hashes: Iterable[bytes | int | str]) -> list[bytes]:
     """Turn an engine's own per-block hashes into kvbridge keys (bytes), unchanged in meaning.
 
@@ -89,4 +107,4 @@ def engine_keys(hashes: Iterable[bytes | int | str]) -> list[bytes]:
     return out
 
 
-__all__ = ["KEY_BYTES", "block_keys", "engine_keys", "group_key", "namespace_key"]
+__all__ = ["KEY_BYTES", "ROUTE_TOKENS", "block_keys", "engine_keys", "group_key", "namespace_key", "route_keys"]

@@ -17,6 +17,9 @@ import pytest
 
 from kvbridge import cli
 from kvbridge.errors import ConfigError
+from kvbridge.keys import ROUTE_TOKENS, route_keys
+from kvbridge.metadata.holdings import Holdings, open_directory
+from kvbridge.testing.services import RedisServer, eventually
 from kvbridge.vllm.proxy import make_server
 
 
@@ -25,6 +28,7 @@ class FakeServer(ThreadingHTTPServer):
 
     def __init__(self, role: str, **behaviour: Any):
         self.role, self.behaviour, self.requests = role, behaviour, []
+        self.tokenized = 0
         super().__init__(("127.0.0.1", 0), _FakeHandler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -63,6 +67,11 @@ class _FakeHandler(BaseHTTPRequestHandler):
         time.sleep(b.get("delay", 0))
         if "status" in b:
             return self._send(b["status"], {"error": {"message": "bad request from fake"}})
+        if self.path == "/tokenize" and b.get("tokenizer"):  # a byte tokenizer: a token per UTF-8 byte of the prompt (or messages)
+            text = body.get("prompt") if "prompt" in body else json.dumps(body.get("messages"))
+            tokens = list(str(text).encode())
+            self.server.tokenized += 1
+            return self._send(200, {"tokens": tokens, "count": len(tokens), "max_model_len": 4096})
         if self.server.role == "replica":
             return self._send(200, {"choices": [{"text": f"from {self.server.url}"}]})
         if self.server.role == "prefill":
@@ -350,3 +359,73 @@ def test_router_keeps_a_hot_prefix_from_piling_onto_one_engine() -> None:
     assert all(dec.index == d.index for dec, _ in held)
     spill, _ = router.pick(body)
     assert spill.index != d.index and "too busy" in spill.reason
+
+
+# ---- routing from a directory (what engines publish) ---------------------------------------------------
+
+
+def _tokens(text: str) -> list[int]:
+    return list(text.encode())  # what the stand-ins' /tokenize answers
+
+
+def _depth(directory: Any, holder: str, keys: list[bytes]) -> int:
+    return next((e.num_blocks for e in directory.lookup(keys) if e.holder == holder), 0)
+
+
+def _ask_body(port: int, body: dict) -> tuple[str, str]:
+    status, data, resp = post(port, "/v1/completions" if "prompt" in body else "/v1/chat/completions", body)
+    assert status == 200, data
+    return json.loads(data)["choices"][0]["text"].removeprefix("from "), resp.getheader("x-kvbridge-route") or ""
+
+
+def test_the_proxy_routes_to_the_engine_that_published_the_prefix(redis: RedisServer, started: Any) -> None:
+    a, b = FakeServer("replica", tokenizer=True), FakeServer("replica", tokenizer=True)
+    port = started([], [], "127.0.0.1:0", 5.0, replicas=[a.url, b.url], policy="cache-aware", directory=redis.url)
+    system = "You are a careful assistant. " * 20
+    # b's engine holds the system prompt (as its connector would publish it); a holds another
+    engines = {u: Holdings(open_directory(redis.url), u, address=u, ttl_s=5) for u in (a.url, b.url)}
+    try:
+        engines[b.url].hold(route_keys(_tokens(system), "tiny"))
+        engines[a.url].hold(route_keys(_tokens("Something else entirely. " * 20), "tiny"))
+        reader = open_directory(redis.url)
+        assert eventually(lambda: len(reader.holders()) == 2)
+        for i in range(3):
+            where, why = _ask_body(port, {"model": "tiny", "prompt": system + f"question {i}"})
+            assert where == b.url and why.startswith("cache-aware: directory: ") and "chunks held" in why, why
+        held = len(_tokens(system)) // ROUTE_TOKENS
+        assert f"{held} of " in why
+        # another model's keys are another namespace: no holder, least-loaded
+        _, why = _ask_body(port, {"model": "other", "prompt": system})
+        assert "no live holder" in why
+        # a chat request is tokenized by the engine too (here: its messages), and found the same way
+        messages = [{"role": "system", "content": system}]
+        engines[a.url].hold(route_keys(_tokens(json.dumps(messages)), "tiny"))
+        assert eventually(lambda: _depth(reader, a.url, route_keys(_tokens(json.dumps(messages)), "tiny")) > 0)
+        where, why = _ask_body(port, {"model": "tiny", "messages": messages})
+        assert where == a.url and "directory" in why, why
+        # token ids need no tokenizer
+        before = a.tokenized + b.tokenized
+        where, _ = _ask_body(port, {"model": "tiny", "prompt": _tokens(system)})
+        assert where == b.url and a.tokenized + b.tokenized == before
+
+        # Redis dies: every request still succeeds, least-loaded, and says why
+        redis.kill()
+        for i in range(4):
+            where, why = _ask_body(port, {"model": "tiny", "prompt": system + f"later {i}"})
+            assert "directory: unreachable, least-loaded" in why, why
+        assert {_ask_body(port, {"model": "tiny", "prompt": f"{i} " + system})[0] for i in range(4)} == {a.url, b.url}
+        # ... and comes back empty: the engines publish again, and routing follows the prefix again
+        redis.start()
+        assert eventually(lambda: _ask_body(port, {"model": "tiny", "prompt": system + "back"})[0] == b.url
+                          and "chunks held" in _ask_body(port, {"model": "tiny", "prompt": system + "back"})[1], 15)  # fmt: skip
+        m = metrics(port)
+        assert m["kvbridge_proxy_tokenize_seconds_count"] >= 10 and m["kvbridge_proxy_directory_seconds_count"] >= 10
+    finally:
+        for held in engines.values():
+            held.close()
+
+
+def test_a_directory_needs_cache_aware(started: Any) -> None:
+    with pytest.raises(ConfigError, match="cache-aware"):
+        started([], [], "127.0.0.1:0", 5.0, replicas=["http://127.0.0.1:1"], policy="round-robin",
+                directory="redis://127.0.0.1:1/0")  # fmt: skip

@@ -3,12 +3,7 @@ in-process one, shared by several metadata servers, and a Redis that dies and co
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -17,55 +12,10 @@ from kvbridge.metadata import MetadataClient
 from kvbridge.metadata.redis_directory import RedisDirectory, check_url
 from kvbridge.metadata.server import MetadataServer
 from kvbridge.metadata.types import DirectoryEntry
+from kvbridge.testing.services import REDIS
+from kvbridge.testing.services import RedisServer as Redis
 
-REDIS = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Redis:
-    """A private redis-server on a free loopback port, in memory only."""
-
-    def __init__(self, workdir: Path):
-        self.port, self.workdir = _free_port(), workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        assert REDIS is not None
-        self.proc = subprocess.Popen([REDIS, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(10)
-            self.proc = None
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[Redis]:
-    server = Redis(tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 def _h(*names: str) -> list[bytes]:

@@ -15,8 +15,10 @@ Configuration (``--kv-transfer-config``)::
 
 ``kv_connector_extra_config`` holds the backend's options (validated at start-up by
 :func:`kvbridge.registry.create`; a misspelt option fails there), plus two keys of the adapter's own:
-``backend`` (only for :class:`KVBridgeConnector`: the registry name) and ``namespace`` (replaces the
-default namespace derived from the model, e.g. for engines loading one model from different paths).
+``backend`` (only for :class:`KVBridgeConnector`: the registry name), ``namespace`` (replaces the
+default namespace derived from the model, e.g. for engines loading one model from different paths),
+and ``directory`` / ``advertise_url`` / ``directory_ttl_s`` (publish the engine's prefix cache for a
+cache-aware router: :mod:`kvbridge.vllm.publishing`).
 
 Mapping, in vLLM's call order:
 
@@ -74,6 +76,7 @@ from kvbridge.errors import ConfigError, MissingDependency
 from kvbridge.keys import block_keys
 from kvbridge.layout import KVLayout
 from kvbridge.stats import TransferStats
+from kvbridge.vllm.publishing import CachePublisher, PublishOptions
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +130,6 @@ _ROLES: dict[str, Role] = {"kv_producer": "producer", "kv_consumer": "consumer",
 # How long an idle step (see KVBridgeMetadata.idle) may wait for the transfers in flight: bounds the
 # delay of a request that arrives meanwhile; a transfer that lands sooner ends the wait at once.
 IDLE_WAIT_S = 0.01
-_ADAPTER_KEYS = ("backend", "namespace")
 
 
 # ---- vLLM config -> kvbridge -------------------------------------------------------------------
@@ -367,9 +369,10 @@ class SchedulerAdapter:
     vLLM reports them step by step (``new_block_ids`` appended; replaced on resumption).
     """
 
-    def __init__(self, side: SchedulerSide, engine: EngineInfo):
+    def __init__(self, side: SchedulerSide, engine: EngineInfo, publisher: CachePublisher | None = None):
         self.side = side
         self.engine = engine
+        self.publisher = publisher  # the prefix cache, published for routers (kvbridge.vllm.publishing)
         self.counters = _Counters(side)
         self._groups = len(engine.kv_groups) or 1
         self._requests: dict[str, RequestInfo] = {}
@@ -461,6 +464,8 @@ class SchedulerAdapter:
         vllm_holds = rid in self._awaiting
         self._awaiting.discard(rid)
         decision = self.side.on_finished(info, list(block_ids))
+        if self.publisher is not None:
+            self.publisher.finished(request)
         delay = decision.delay_free
         if delay and vllm_holds:
             # A request that ends during its async load: vLLM itself keeps the blocks until the load
@@ -472,6 +477,8 @@ class SchedulerAdapter:
         return delay, params
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         self.side.close()
 
 
@@ -629,6 +636,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         name, options, namespace = split_extra_config(self.backend_name, ktc.kv_connector_extra_config)
+        publish = PublishOptions.pop(options)  # checked on every role; used by the scheduler's
         backend = registry.create(name, options)
         worker = role == KVConnectorRole.WORKER
         engine = engine_info(vllm_config, kv_cache_config, worker=worker, namespace=namespace)
@@ -642,7 +650,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._scheduler = _OtherRole("WORKER", "scheduler")
             self._side = self._worker
         else:
-            self._scheduler = SchedulerAdapter(backend.scheduler(engine), engine)
+            publisher = None
+            if publish is not None:
+                publisher = CachePublisher(publish, vllm_config, engine.block_size, int(getattr(kv_cache_config, "num_blocks", 0) or 0))
+            self._scheduler = SchedulerAdapter(backend.scheduler(engine), engine, publisher)
             self._worker = _OtherRole("SCHEDULER", "worker")
             self._side = self._scheduler
         log.info("kvbridge %s connector (%s, %s) for engine %s", name, role.name, engine.role, engine.engine_id)

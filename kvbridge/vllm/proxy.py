@@ -19,7 +19,13 @@ JSON error naming it. A client that goes away mid-answer is logged at debug leve
 
 Other routes, so the proxy stands in for a vLLM server (benchmark clients probe them): ``GET /health``,
 ``GET /v1/models``, ``POST /tokenize`` and ``/detokenize`` (forwarded to a decode server), and
-``GET /metrics``: the proxy's own counters in Prometheus text format. Standard library only.
+``GET /metrics``: the proxy's own counters in Prometheus text format.
+
+``--directory URL`` (``redis://HOST:PORT/DB`` or ``grpc://HOST:PORT``): cache-aware routing from what
+the engines publish (:class:`~kvbridge.vllm.routing.DirectoryView`). The proxy then asks an engine's
+``/tokenize`` for each prompt's tokens (chat requests through the chat template, as the engine will)
+and the directory who holds them: two calls on the request path, timed in ``/metrics``
+(``tokenize_seconds``, ``directory_seconds``). Standard library only, but for the directory's client.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Any
 
 from kvbridge.addresses import parse_host_port, parse_http_url
 from kvbridge.errors import ConfigError
-from kvbridge.vllm.routing import POLICIES, MetricsPoller, Router
+from kvbridge.vllm.routing import POLICIES, DirectoryView, Held, MetricsPoller, Router
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +132,26 @@ def decode_request(body: dict[str, Any], prefill_answer: dict[str, Any]) -> dict
     return {**body, "kv_transfer_params": params} if params is not None else dict(body)
 
 
+_CHAT_TOKENIZE = ("model", "messages", "add_generation_prompt", "continue_final_message", "chat_template",
+                  "chat_template_kwargs", "tools", "add_special_tokens")  # fmt: skip
+
+
+def tokenize_request(body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
+    """What gives this request's prompt tokens: the token ids themselves when the client sent ids, else
+    the ``/tokenize`` request that makes the engine tokenize it as it will (same special tokens, same
+    chat template options); ``None`` for what cannot be routed by prefix (a batch of prompts)."""
+    if "messages" in body:
+        return {k: body[k] for k in _CHAT_TOKENIZE if k in body}
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, str):
+        return {"model": body.get("model", ""), "prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
+    return None
+
+
 class Metrics:
     """The proxy's counters and latency sums, as ``GET /metrics`` shows them (Prometheus text format)."""
 
@@ -165,7 +191,8 @@ class ProxyServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, listen: tuple[str, int], prefill: Sequence[Upstream], decode: Sequence[Upstream],
-                 replicas: Sequence[Upstream] = (), policy: str = "round-robin", poll_s: float = 1.0):  # fmt: skip
+                 replicas: Sequence[Upstream] = (), policy: str = "round-robin", poll_s: float = 1.0,
+                 directory: str = ""):  # fmt: skip
         if policy not in POLICIES:
             raise ConfigError(f"proxy --policy must be one of {list(POLICIES)}, got {policy!r}")
         if replicas and (prefill or decode):
@@ -178,6 +205,13 @@ class ProxyServer(ThreadingHTTPServer):
         # their KV handed over, so only their load matters
         first = self.replicas or self.prefill_servers
         self.router = Router([u.url for u in first], policy)
+        if directory and policy != "cache-aware":
+            raise ConfigError(f"proxy --directory routes by cache: it needs --policy cache-aware, not {policy}")
+        self.directory: DirectoryView | None = None
+        if directory:
+            from kvbridge.metadata.holdings import open_directory
+
+            self.directory = DirectoryView(open_directory(directory), [u.url for u in first])
         self.decode_router = Router([u.url for u in self.decode_servers] or ["-"],
                                     "round-robin" if policy == "round-robin" else "least-loaded")  # fmt: skip
         self.metrics = Metrics()
@@ -196,6 +230,8 @@ class ProxyServer(ThreadingHTTPServer):
     def server_close(self) -> None:
         for poller in self._pollers:
             poller.stopped.set()
+        if self.directory is not None:
+            self.directory.directory.close()
         super().server_close()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -268,8 +304,9 @@ class _Handler(BaseHTTPRequestHandler):
         """The first prefill server's answer, in the router's order; ``None`` when every one failed (the
         decode server then recomputes the prompt). A 4xx is the client's error and is raised."""
         srv, failures, tried = self.server, [], list[int]()
+        held = self._held(srv.prefill_servers, srv.router, body)
         while len(tried) < len(srv.prefill_servers):
-            decision, keys = srv.router.pick(body, exclude=tried)
+            decision, keys = srv.router.pick(body, exclude=tried, held=held)
             tried.append(decision.index)
             srv.metrics.count(f"route_{decision.reason.split(':')[0].replace('-', '_')}")
             try:
@@ -295,8 +332,9 @@ class _Handler(BaseHTTPRequestHandler):
         payload = json.dumps(body).encode()
         tried: list[int] = []
         last: UpstreamError | None = None
+        held = self._held(pool, router, route_body) if route_body is not None and router is self.server.router else None
         while len(tried) < len(pool):
-            decision, keys = router.pick(route_body, exclude=tried)
+            decision, keys = router.pick(route_body, exclude=tried, held=held)
             tried.append(decision.index)
             try:
                 resp = pool[decision.index].open("POST", path, payload, {**headers, "Content-Type": "application/json"})
@@ -314,6 +352,36 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.metrics.count("decode_failures")
         assert last is not None
         self._send_error(last)
+
+    def _held(self, pool: Sequence[Upstream], router: Router, body: dict[str, Any]) -> Held | None:
+        """What the directory says of this prompt (``None`` without a directory): tokenized by a live
+        upstream of ``pool`` unless the client sent token ids."""
+        view = self.server.directory
+        if view is None:
+            return None
+        t0 = time.perf_counter()
+        tokens = self._tokens(pool, router, body)
+        t1 = time.perf_counter()
+        held = view.held(tokens, str(body.get("model", "")), str(body.get("cache_salt") or ""))
+        self.server.metrics.time("tokenize", t1 - t0)
+        self.server.metrics.time("directory", time.perf_counter() - t1)
+        return held
+
+    def _tokens(self, pool: Sequence[Upstream], router: Router, body: dict[str, Any]) -> list[int] | None:
+        request = tokenize_request(body)
+        if request is None or isinstance(request, list):
+            return request
+        for i in router.live()[:2]:  # a second try where the first is down
+            try:
+                answer = pool[i].post_json("/tokenize", request, {})
+            except UpstreamError as exc:
+                log.debug("tokenize on %s: %s", pool[i].url, exc)
+                continue
+            tokens = answer.get("tokens")
+            if isinstance(tokens, list):
+                return [int(t) for t in tokens]
+        self.server.metrics.count("tokenize_failures")
+        return None
 
     def _forward(self, call: Callable[[], http.client.HTTPResponse]) -> None:
         try:
@@ -375,7 +443,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def make_server(prefill: Sequence[str], decode: Sequence[str], listen: str = "127.0.0.1:8000", timeout: float = 300.0,
-                *, replicas: Sequence[str] = (), policy: str = "round-robin", poll_s: float = 1.0) -> ProxyServer:  # fmt: skip
+                *, replicas: Sequence[str] = (), policy: str = "round-robin", poll_s: float = 1.0,
+                directory: str = "") -> ProxyServer:  # fmt: skip
     """A proxy bound to ``listen`` (``HOST:PORT``; port 0 picks a free one), not yet serving.
     Bad input raises :class:`~kvbridge.errors.ConfigError` naming it."""
     where = parse_host_port(listen, what="proxy --listen", allow_zero=True)
@@ -386,6 +455,7 @@ def make_server(prefill: Sequence[str], decode: Sequence[str], listen: str = "12
         [Upstream(u, timeout) for u in replicas],
         policy,
         poll_s,
+        directory,
     )
 
 
@@ -412,6 +482,12 @@ def _positive(text: str) -> float:
     return value
 
 
+def _directory_url(text: str) -> str:
+    from kvbridge.metadata.holdings import check_directory_url
+
+    return check_directory_url(text)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     url = _checked(lambda t: parse_http_url(t, what="URL"))
     parser.add_argument("--prefill", action="append", default=[], type=url, metavar="URL", help="prefill server (repeatable)")
@@ -420,6 +496,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a plain (not disaggregated) server, instead of --prefill/--decode (repeatable)")
     parser.add_argument("--policy", choices=POLICIES, default="cache-aware",
                         help="how an upstream is picked (default %(default)s; see kvbridge.vllm.routing)")
+    parser.add_argument("--directory", default="", metavar="URL", type=_checked(_directory_url),
+                        help="route cache-aware from what engines publish to this block directory "
+                             "(redis://HOST:PORT/DB or grpc://HOST:PORT; each engine sets advertise_url)")  # fmt: skip
     parser.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="where to listen (default %(default)s)",
                         type=_checked(lambda t: parse_host_port(t, what="HOST:PORT", allow_zero=True)))  # fmt: skip
     parser.add_argument("--timeout", type=_positive, default=300.0, help="seconds an upstream may stay silent (default %(default)s)")
@@ -427,10 +506,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    server = make_server(args.prefill, args.decode, args.listen, args.timeout, replicas=args.replica, policy=args.policy)
+    server = make_server(args.prefill, args.decode, args.listen, args.timeout, replicas=args.replica, policy=args.policy,
+                         directory=args.directory)
     host, port = str(server.server_address[0]), int(server.server_address[1])
     upstreams = f"replicas={args.replica}" if args.replica else f"prefill={args.prefill} decode={args.decode}"
-    print(f"kvbridge proxy on http://{host}:{port}  {upstreams} policy={args.policy}", flush=True)
+    where = f" directory={args.directory}" if args.directory else ""
+    print(f"kvbridge proxy on http://{host}:{port}  {upstreams} policy={args.policy}{where}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -440,4 +521,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["COMPLETION_PATHS", "FORWARDED_POSTS", "Metrics", "ProxyServer", "Upstream", "UpstreamError", "configure", "decode_request", "make_server", "prefill_request", "run"]
+__all__ = ["COMPLETION_PATHS", "FORWARDED_POSTS", "Metrics", "ProxyServer", "Upstream", "UpstreamError", "configure", "decode_request", "make_server", "prefill_request", "run", "tokenize_request"]

@@ -16,6 +16,14 @@ holds which prefix, and how busy each is, sends a request where it is cheapest.
   chain over the whole prefix (as block keys do over tokens), and each key remembers the upstream
   that last served it (bounded, least recently used first out). A prefix in characters is a prefix
   in tokens up to the last chunk, so this needs no tokenizer on the request path.
+- ``cache-aware`` **with a directory** (``kvbridge proxy --directory URL``): what the engines themselves
+  publish instead (:class:`DirectoryView`). Each engine's kvbridge connector keeps the route keys
+  (:func:`kvbridge.keys.route_keys`) of the prefixes in its prefix cache published under its own URL
+  (:mod:`kvbridge.metadata.holdings`); the proxy tokenizes the prompt the way the engine will (the
+  engine's own ``/tokenize``, chat template included), computes the same keys and asks the directory
+  who holds the longest run. This knows what an engine holds whoever sent it there (another proxy, a
+  restart of this one) and forgets what it evicted. A directory that does not answer, or a prompt
+  that cannot be tokenized, makes that request least-loaded; it never fails it.
 
 Every decision and its reason are returned (the proxy puts them in an ``x-kvbridge-route`` header and
 counts them in ``/metrics``). An upstream that fails is *ejected* for ``eject_s`` seconds (skipped
@@ -34,6 +42,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.keys import route_keys
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +65,16 @@ class UpstreamState:
     @property
     def load(self) -> float:
         return self.in_flight + self.running + self.waiting
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A directory's answer for one prompt: upstream index -> leading route chunks it holds, of ``total``;
+    ``error`` says why nothing is known (the directory or the tokenizer did not answer)."""
+
+    chunks: dict[int, int]
+    total: int
+    error: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,16 +152,24 @@ class Router:
         up = [i for i, s in enumerate(self.states) if s.ejected_until <= now]
         return up or list(range(len(self.states)))  # all ejected: try them anyway
 
-    def pick(self, body: dict[str, Any] | None = None, exclude: Sequence[int] = ()) -> tuple[Decision, list[bytes]]:
-        """The upstream for this request and the prompt's chunk keys (pass them to :meth:`done`)."""
-        keys = chunk_keys(prompt_text(body), self.chunk_chars) if body is not None and self.policy == "cache-aware" else []
+    def pick(self, body: dict[str, Any] | None = None, exclude: Sequence[int] = (),
+             held: Held | None = None) -> tuple[Decision, list[bytes]]:  # fmt: skip
+        """The upstream for this request and the prompt's chunk keys (pass them to :meth:`done`).
+        ``held``: what a directory says (:meth:`DirectoryView.held`); without it cache-aware uses the
+        proxy's own record."""
+        own = body is not None and self.policy == "cache-aware" and held is None
+        keys = chunk_keys(prompt_text(body), self.chunk_chars) if own and body is not None else []
         with self._lock:
-            live = [i for i in self._live(time.monotonic()) if i not in exclude] or list(range(len(self.states)))
-            decision = self._decide(live, keys)
+            live = self.live(exclude)
+            decision = self._decide(live, keys, held if self.policy == "cache-aware" else None)
             self.states[decision.index].in_flight += 1
         return decision, keys
 
-    def _decide(self, live: list[int], keys: list[bytes]) -> Decision:
+    def live(self, exclude: Sequence[int] = ()) -> list[int]:
+        """Upstreams not ejected (all of them when every one is), less ``exclude`` unless that leaves none."""
+        return [i for i in self._live(time.monotonic()) if i not in exclude] or list(range(len(self.states)))
+
+    def _decide(self, live: list[int], keys: list[bytes], held: Held | None) -> Decision:
         if self.policy == "round-robin":
             i = live[self._next % len(live)]
             self._next += 1
@@ -148,15 +177,29 @@ class Router:
         n = len(self.states)  # ties go round-robin, so new prefixes spread over idle engines
         lightest = min(live, key=lambda i: (self.states[i].load, self.states[i].kv_usage, (i - self._next) % n))
         self._next += 1
+        if held is not None:
+            return self._from_directory(live, lightest, held)
         if self.policy == "cache-aware" and keys:
-            held = self.table.holder(keys)
-            if held is not None and held[0] in live:
-                best, depth = held
+            mine = self.table.holder(keys)
+            if mine is not None and mine[0] in live:
+                best, depth = mine
                 if self.states[best].load - self.states[lightest].load < self.max_imbalance:
                     return Decision(best, f"cache-aware: {depth} of {len(keys)} chunks held")
                 return Decision(lightest, f"cache-aware: holder {best} too busy, least-loaded")
             return Decision(lightest, f"cache-aware: no live holder of {len(keys)} chunks, least-loaded")
         return Decision(lightest, f"least-loaded: {self.states[lightest].load:g} in flight")
+
+    def _from_directory(self, live: list[int], lightest: int, held: Held) -> Decision:
+        """The live upstream holding the most leading chunks (ties: the lighter), unless too busy."""
+        if held.error:
+            return Decision(lightest, f"cache-aware: directory: {held.error}, least-loaded")
+        holders = [i for i in live if held.chunks.get(i, 0) > 0]
+        if not holders:
+            return Decision(lightest, f"cache-aware: directory: no live holder of {held.total} chunks, least-loaded")
+        best = max(holders, key=lambda i: (held.chunks[i], -self.states[i].load))
+        if self.states[best].load - self.states[lightest].load >= self.max_imbalance:
+            return Decision(lightest, f"cache-aware: directory: holder {best} too busy, least-loaded")
+        return Decision(best, f"cache-aware: directory: {held.chunks[best]} of {held.total} chunks held")
 
     def done(self, decision: Decision, keys: Sequence[bytes], ok: bool) -> None:
         """The request on ``decision.index`` ended; ``ok=False`` ejects that upstream for a while."""
@@ -176,6 +219,47 @@ class Router:
             s.running = metrics.get("vllm:num_requests_running", 0.0)
             s.waiting = metrics.get("vllm:num_requests_waiting", 0.0)
             s.kv_usage = metrics.get("vllm:kv_cache_usage_perc", metrics.get("vllm:gpu_cache_usage_perc", 0.0))
+
+
+def normal_url(url: str) -> str:
+    """An upstream URL as engines and the proxy compare it: lower-case, no trailing slash."""
+    return url.strip().rstrip("/").lower()
+
+
+class DirectoryView:
+    """Who holds how much of a prompt, from the route keys engines publish to a block directory.
+
+    ``urls`` are the routed upstreams; an engine's entry counts for the upstream whose URL equals its
+    published address (or holder name): configure each engine's ``advertise_url`` as the proxy names it.
+    """
+
+    def __init__(self, directory: Any, urls: Sequence[str]):
+        self.directory = directory
+        self._index = {normal_url(u): i for i, u in enumerate(urls)}
+        self._down = False
+
+    def held(self, tokens: Sequence[int] | None, model: str, salt: str = "") -> Held:
+        if tokens is None:
+            return Held({}, 0, "prompt not tokenized")
+        keys = route_keys(tokens, model, salt=salt)
+        if not keys:
+            return Held({}, 0)
+        try:
+            entries = self.directory.lookup(keys)
+        except KVBridgeError as exc:
+            if not self._down:
+                log.warning("routing directory unreachable (%s): least-loaded until it answers", exc)
+            self._down = True
+            return Held({}, len(keys), "unreachable")
+        if self._down:
+            log.warning("routing directory answers again")
+            self._down = False
+        chunks: dict[int, int] = {}
+        for entry in entries:
+            i = self._index.get(normal_url(entry.address or entry.holder))
+            if i is not None:
+                chunks[i] = max(chunks.get(i, 0), entry.num_blocks)
+        return Held(chunks, len(keys))
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -212,4 +296,4 @@ class MetricsPoller(threading.Thread):
                     log.debug("metrics of upstream %d: %s", i, exc)
 
 
-__all__ = ["POLICIES", "Decision", "MetricsPoller", "PrefixTable", "Router", "UpstreamState", "chunk_keys", "parse_prometheus", "prompt_text"]
+__all__ = ["POLICIES", "Decision", "DirectoryView", "Held", "MetricsPoller", "PrefixTable", "Router", "UpstreamState", "chunk_keys", "normal_url", "parse_prometheus", "prompt_text"]

@@ -12,6 +12,7 @@ import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace as NS
 from typing import Any
 
 import pytest
@@ -68,3 +69,17 @@ def baseline(tiny_model: Path, prompts: dict[str, list[int]], tmp_path_factory: 
     eng = Engine(tmp_path_factory.mktemp("baseline"), "baseline", {"model": str(tiny_model), "kv": None, "requests": requests})
     return eng.result()["results"]
 
+
+@pytest.fixture(scope="module")
+def vl() -> Any:
+    """vLLM's connector classes and kvbridge's adapter, imported where vLLM is installed."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvbridge.contract import KVGroup
+    from kvbridge.vllm import connector
+
+    return NS(KVTransferConfig=KVTransferConfig, Factory=KVConnectorFactory, Role=KVConnectorRole, Output=KVConnectorOutput,
+              c=connector, KVGroup=KVGroup)

@@ -21,20 +21,6 @@ BS, LAYERS, HEADS, HEAD = 32, 2, 2, 64
 _ids = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def vl() -> Any:
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.outputs import KVConnectorOutput
-
-    from kvbridge.contract import KVGroup
-    from kvbridge.vllm import connector
-
-    return NS(KVTransferConfig=KVTransferConfig, Factory=KVConnectorFactory, Role=KVConnectorRole, Output=KVConnectorOutput,
-              c=connector, KVGroup=KVGroup)
-
-
 def config(vl: Any, role: str, extra: dict, connector: str = "kvbridge.KVBridgeConnector", engine_id: str = "e") -> Any:
     ktc = vl.KVTransferConfig(kv_connector=connector, kv_role=role, kv_connector_extra_config=extra, engine_id=engine_id)
     return NS(

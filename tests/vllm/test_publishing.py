@@ -1,0 +1,119 @@
+"""An engine's prefix cache published for routers (:mod:`kvbridge.vllm.publishing`), with vLLM's own classes:
+the connector's options checked at start-up, each request's blocks published at its end, and vLLM's KV-cache
+events — sent by vLLM's own ZMQ publisher — followed block by block, evictions included. The directory is a
+real metadata server's; a real engine behind a real proxy is in ``test_routing.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace as NS
+from typing import Any
+
+import pytest
+from test_adapter import KV_CACHE_CONFIG, config
+
+from kvbridge.errors import ConfigError
+from kvbridge.keys import route_keys
+from kvbridge.metadata.holdings import Holdings, open_directory
+from kvbridge.metadata.server import MetadataServer
+from kvbridge.testing.services import eventually
+
+
+@pytest.fixture
+def directory() -> Iterator[str]:
+    server = MetadataServer("127.0.0.1:0")
+    port = server.start()
+    yield f"grpc://127.0.0.1:{port}"
+    server.stop()
+
+
+def depth(url: str, holder: str, keys: list[bytes]) -> int:
+    return next((e.num_blocks for e in open_directory(url).lookup(keys) if e.holder == holder), 0)
+
+
+def test_a_finished_request_publishes_its_computed_blocks(vl: Any, directory: str) -> None:
+    extra = {"backend": "memory", "name": "pub", "directory": directory, "advertise_url": "http://127.0.0.1:8101/"}
+    cfg = config(vl, "kv_both", extra)
+    cfg.model_config.served_model_name = "tiny"
+    sched = vl.c.KVBridgeConnector(cfg, vl.Role.SCHEDULER, KV_CACHE_CONFIG)
+    try:
+        prompt = list(range(1000, 1100))  # 3 full blocks of 32, and 4 tokens
+        req = NS(request_id="r", prompt_token_ids=prompt, all_token_ids=prompt + [7, 8], num_computed_tokens=101,
+                 kv_transfer_params=None, cache_salt=None, lora_request=None)  # fmt: skip
+        sched.request_finished(req, [1, 2, 3, 4])
+        keys = route_keys(prompt, "tiny")
+        # every chunk of the 3 computed full blocks, under the advertised URL (no trailing slash)
+        assert eventually(lambda: depth(directory, "http://127.0.0.1:8101", keys) == 3 * 32 // 16)
+        assert open_directory(directory).lookup(keys)[0].address == "http://127.0.0.1:8101"
+    finally:
+        sched.shutdown()
+    assert eventually(lambda: not open_directory(directory).lookup(route_keys(prompt, "tiny"))), "shutdown unpublishes"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"directory": "grpc://127.0.0.1:1"}, "needs 'advertise_url'"),
+        ({"advertise_url": "http://a:1"}, "need 'directory'"),
+        ({"directory": "redis:/x", "advertise_url": "http://a:1"}, "directory"),
+        ({"directory": "grpc://127.0.0.1:1", "advertise_url": "ftp://a"}, "advertise_url"),
+        ({"directory": "grpc://127.0.0.1:1", "advertise_url": "http://a:1", "directory_ttl_s": 0}, "directory_ttl_s"),
+    ],
+)
+def test_publishing_options_are_checked_on_every_role(vl: Any, extra: dict, message: str) -> None:
+    for role in (vl.Role.SCHEDULER, vl.Role.WORKER):
+        with pytest.raises(ConfigError, match=message):
+            vl.c.KVBridgeConnector(config(vl, "kv_both", {"backend": "memory", "name": "x", **extra}), role, KV_CACHE_CONFIG)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_vllms_kv_events_are_followed_block_by_block(directory: str) -> None:
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+
+    from kvbridge.vllm.publishing import KVEventFeed
+
+    port = _free_port()
+    publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", topic="kv")
+    holdings = Holdings(open_directory(directory), "http://e:1", address="http://e:1", ttl_s=10)
+    feed = KVEventFeed(f"tcp://127.0.0.1:{port}", "kv", holdings, "tiny")
+    tokens = list(range(500, 500 + 32 * 4))
+    keys = route_keys(tokens, "tiny")
+
+    def send(*events: Any) -> None:
+        before = feed.seen
+        for _ in range(100):  # a SUB socket joins a moment after it connects: resend until it is heard
+            publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
+            if eventually(lambda: feed.seen > before, 0.1):
+                return
+        raise AssertionError("the subscriber never heard vLLM's publisher")
+
+    def stored(hashes: list[int], parent: int | None, first: int, salt: str | None = None) -> BlockStored:
+        extra = [("s1",) if salt else None for _ in hashes]
+        return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens[first * 32 : (first + len(hashes)) * 32],
+                           block_size=32, lora_id=None, medium="GPU", lora_name=None, extra_keys=extra)  # fmt: skip
+
+    try:
+        send(stored([11, 12], None, 0))  # two blocks, then a child of the second
+        send(stored([13], 12, 2))
+        assert eventually(lambda: depth(directory, "http://e:1", keys) == 6)
+        send(stored([99], 98, 3))  # a parent never seen: cannot be keyed, nothing published
+        send(stored([14], 13, 3, salt="s1"))  # a salted block: a router cannot key it
+        time.sleep(0.3)
+        assert depth(directory, "http://e:1", keys) == 6 and len(holdings.held()) == 6
+        send(BlockRemoved(block_hashes=[12], medium="GPU"))  # evicted: its chunks are taken back
+        assert eventually(lambda: depth(directory, "http://e:1", keys) == 2)
+        send(AllBlocksCleared())
+        assert eventually(lambda: depth(directory, "http://e:1", keys) == 0)
+        assert holdings.held() == []
+    finally:
+        feed.close()
+        holdings.close()
+        publisher.shutdown()
