@@ -144,7 +144,7 @@ class KVEventFeed:
 
         self.holdings, self.model = holdings, model
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock: Any = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVTIMEO, 200)  # so the thread sees close()
         self._sock.setsockopt_string(zmq.SUBSCRIBE, topic)
