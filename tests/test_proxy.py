@@ -273,6 +273,7 @@ def test_bad_addresses_are_named_errors(listen: str, prefill: str, message: str)
         ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--listen", "127.0.0.1:99999"],
         ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--listen", "127.0.0.1"],
         ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--timeout", "0"],
+        ["proxy", "--replica", "http://127.0.0.1:1", "--directory", "127.0.0.1:6379"],
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -281,6 +282,19 @@ def test_cli_bad_input_exits_2_with_one_line(argv: list[str], capsys: pytest.Cap
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and "Traceback" not in err
+
+
+def test_cli_defaults_parse() -> None:
+    """Every default passes its own check (argparse runs ``type`` on string defaults too)."""
+    import argparse
+
+    from kvbridge.vllm import proxy
+
+    parser = argparse.ArgumentParser()
+    proxy.configure(parser)
+    args = parser.parse_args(["--replica", "http://127.0.0.1:1"])
+    assert args.directory is None and args.policy == "cache-aware" and args.listen == "127.0.0.1:8000"
+    assert parser.parse_args(["--replica", "h:1", "--directory", "redis://127.0.0.1:1/0"]).directory == "redis://127.0.0.1:1/0"
 
 
 def test_listen_on_a_port_in_use_is_a_named_error() -> None:

@@ -496,7 +496,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a plain (not disaggregated) server, instead of --prefill/--decode (repeatable)")
     parser.add_argument("--policy", choices=POLICIES, default="cache-aware",
                         help="how an upstream is picked (default %(default)s; see kvbridge.vllm.routing)")
-    parser.add_argument("--directory", default="", metavar="URL", type=_checked(_directory_url),
+    parser.add_argument("--directory", default=None, metavar="URL", type=_checked(_directory_url),
                         help="route cache-aware from what engines publish to this block directory "
                              "(redis://HOST:PORT/DB or grpc://HOST:PORT; each engine sets advertise_url)")  # fmt: skip
     parser.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="where to listen (default %(default)s)",
@@ -507,7 +507,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     server = make_server(args.prefill, args.decode, args.listen, args.timeout, replicas=args.replica, policy=args.policy,
-                         directory=args.directory)
+                         directory=args.directory or "")
     host, port = str(server.server_address[0]), int(server.server_address[1])
     upstreams = f"replicas={args.replica}" if args.replica else f"prefill={args.prefill} decode={args.decode}"
     where = f" directory={args.directory}" if args.directory else ""

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,9 @@ class Layout:
         self.procs: dict[str, subprocess.Popen] = {}
         self.ports: dict[str, int] = {}
 
-    def server(self, role: str, kv: dict[str, Any] | None, kv_bytes: int = 128 << 20) -> None:
-        port = free_port()
+    def server(self, role: str, kv: dict[str, Any] | None, kv_bytes: int = 128 << 20, more: Sequence[str] = (),
+               port: int | None = None) -> None:  # fmt: skip
+        port = port or free_port()
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
             "--served-model-name", "tiny", "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
@@ -127,7 +129,7 @@ class Layout:
         ]  # fmt: skip
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
-        self._start(role, port, cmd)
+        self._start(role, port, [*cmd, *more])
 
     def proxy(self) -> None:
         port = free_port()

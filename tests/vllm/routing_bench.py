@@ -1,5 +1,7 @@
 """The routing bench: a shared-prefix workload through ``kvbridge proxy`` in front of two real vLLM replicas,
-each policy in the same run (one after the other, fresh replicas each time).
+each policy in the same run (one after the other, fresh replicas each time). ``directory`` is cache-aware
+from what the replicas publish (their kvbridge connectors follow vLLM's KV-cache events into a Redis that
+the run starts) instead of the proxy's own record of where it sent each prompt.
 
     .venv-vllm/bin/python tests/vllm/routing_bench.py [--prompts 64] [--prefixes 8] [--prefix-len 384] [--rate 4]
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import http.client
+import json
 import os
 import platform
 import subprocess
@@ -31,7 +34,9 @@ sys.path.insert(0, str(HERE))
 from pd_serve_bench import Layout, client_result, fmt, free_port  # noqa: E402
 from pdkit import engine_env, make_tiny_llama  # noqa: E402
 
-POLICIES = ("round-robin", "least-loaded", "cache-aware")
+from kvbridge.testing.services import RedisServer  # noqa: E402
+
+POLICIES = ("round-robin", "least-loaded", "cache-aware", "directory")
 
 
 def prefix_counters(port: int) -> tuple[float, float]:
@@ -50,12 +55,32 @@ def prefix_counters(port: int) -> tuple[float, float]:
     return values["hits"], values["queries"]
 
 
+def publishing(port: int, directory: str) -> tuple[dict[str, Any], list[str]]:
+    """A replica's kvbridge connector that publishes its prefix cache (from vLLM's KV events) to ``directory``.
+    Its own tier is a CPU store of 256 KiB (4 blocks of the tiny model): next to nothing, so the hit rate
+    is the prefix cache's, as for the other policies."""
+    extra = {"capacity_bytes": 256 << 10, "directory": directory, "advertise_url": f"http://127.0.0.1:{port}"}
+    kv = {"kv_connector": "kvbridge.CPUConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"}
+    return kv, ["--kv-events-config", json.dumps(events)]
+
+
 def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -> dict[str, Any]:
     lay = Layout(policy, work, model)
+    redis = RedisServer(work) if policy == "directory" else None
+    proxy_args = ["--policy", policy]
     for name in ("a", "b"):
-        lay.server(name, None, kv_bytes=args.kv_mib << 20)
+        if redis is None:
+            lay.server(name, None, kv_bytes=args.kv_mib << 20)
+            continue
+        port = free_port()
+        kv, more = publishing(port, redis.url)
+        lay.server(name, kv, kv_bytes=args.kv_mib << 20, more=more, port=port)
+    if redis is not None:
+        redis.start()
+        proxy_args = ["--policy", "cache-aware", "--directory", redis.url]
     port = free_port()
-    cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", "--policy", policy, "--listen", f"127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", *proxy_args, "--listen", f"127.0.0.1:{port}",
            "--timeout", "120", *(a for n in ("a", "b") for a in ("--replica", f"http://127.0.0.1:{lay.ports[n]}"))]
     lay._start("proxy", port, cmd)
     try:
@@ -79,6 +104,8 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -
         return res
     finally:
         lay.close()
+        if redis is not None:
+            redis.kill()
 
 
 def main() -> None:
@@ -120,7 +147,8 @@ def main() -> None:
         f"# workload: vllm.benchmarks.serve prefix_repetition dataset, {args.prompts} prompts, {args.prefixes} prefixes of"
         f" {args.prefix_len} tokens + {args.suffix_len} own, {args.output_len} out, {args.rate} req/s, seed {args.seed};"
         f" two replicas of the tiny 2-layer Llama, float32, block 32, {args.kv_mib} MiB KV cache each, behind"
-        " `kvbridge proxy --replica A --replica B --policy P`; fresh replicas per policy",
+        " `kvbridge proxy --replica A --replica B --policy P` (directory: `--policy cache-aware --directory redis://...`,"
+        " replicas publishing from vLLM's KV events); fresh replicas per policy",
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,12 +6,20 @@ the cache-aware proxy reaches the replica that served it, and that replica reall
 from its prefix cache (``prompt_tokens_details.cached_tokens``); through round-robin the second copy
 lands on the other replica and computes everything again. Both answers equal a direct call. A prompt
 sharing only a long prefix follows it too; a killed replica is ejected and requests keep succeeding.
+
+With a directory (``--directory redis://...``): each replica's kvbridge connector publishes its own
+prefix cache to a real Redis — one from vLLM's KV-cache events, one at each request's end — and proxies
+that never saw a prompt route it to the replica holding it; a Redis killed mid-run makes them
+least-loaded (no request fails) until it is back and the engines have published again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,16 +31,36 @@ import pytest
 from pdkit import BLOCK, PROMPT_LEN, engine_env
 from test_api_server import SERVER_START_S, completion, free_port, stop_all, text_of, wait_healthy
 
+from kvbridge.keys import route_keys
+from kvbridge.metadata.holdings import open_directory
+from kvbridge.testing.services import REDIS, RedisServer, eventually
+
 FULL_TOKENS = PROMPT_LEN // BLOCK * BLOCK
 
 
-def _server_cmd(model: Path, port: int) -> list[str]:
+def _server_cmd(model: Path, port: int, more: tuple[str, ...] = ()) -> list[str]:
+    return [*_base_cmd(model, port), *more]
+
+
+def _base_cmd(model: Path, port: int) -> list[str]:
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--served-model-name", "tiny", "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "512",
         "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
         "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
+
+
+def _replica(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A replica server in a session of its own: :func:`kill_replica` kills its engine-core process too
+    (killed alone, an API server leaves its engine core running, and publishing)."""
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def kill_replica(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
 
 
 @pytest.fixture
@@ -44,8 +72,7 @@ def replicas(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
     procs: list[tuple[subprocess.Popen, Path, int]] = []
     for name in ("a", "b"):
         log = tmp_path / f"replica-{name}.log"
-        proc = subprocess.Popen(_server_cmd(tiny_model, ports[name]), stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-        procs.append((proc, log, ports[name]))
+        procs.append((_replica(_server_cmd(tiny_model, ports[name]), log, env), log, ports[name]))
     urls = [arg for name in ("a", "b") for arg in ("--replica", f"http://127.0.0.1:{ports[name]}")]
     for policy in ("cache-aware", "round-robin"):
         log = tmp_path / f"proxy-{policy}.log"
@@ -59,6 +86,8 @@ def replicas(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
         yield {**ports, "procs": {"a": procs[0][0], "b": procs[1][0]}}
     finally:
         stop_all(p for p, _, _ in procs)
+        for proc, _, _ in procs[:2]:
+            kill_replica(proc)
 
 
 def _routed(port: int, prompt: str) -> tuple[dict, str]:
@@ -104,9 +133,95 @@ def test_cache_aware_sends_a_prompt_back_to_the_replica_that_holds_it(replicas: 
     assert c1["choices"][0]["token_ids"] == c2["choices"][0]["token_ids"] == direct[:4]
 
     # a dead replica is ejected: every request still succeeds, on the one left
-    replicas["procs"]["a"].kill()
-    replicas["procs"]["a"].wait(30)
+    kill_replica(replicas["procs"]["a"])
     for name in ("A", "B"):  # one of them was held by the dead replica
         assert _routed(aware, text_of(prompts[name]))[0]["choices"]  # 200, or _routed fails
     answer, _ = _routed(aware, text_of(prompts["C"]))
     assert answer["choices"][0]["token_ids"] == c1["choices"][0]["token_ids"]
+
+
+def _publishing(port: int, directory: str, events_port: int | None) -> tuple[str, ...]:
+    """A replica whose kvbridge connector (a small CPU tier) publishes its prefix cache to ``directory``."""
+    extra = {"capacity_bytes": 32 << 20, "directory": directory, "advertise_url": f"http://127.0.0.1:{port}", "directory_ttl_s": 3}
+    more = ["--kv-transfer-config", json.dumps({"kv_connector": "kvbridge.CPUConnector", "kv_role": "kv_both",
+                                                "kv_connector_extra_config": extra})]  # fmt: skip
+    if events_port is not None:
+        more += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                   "endpoint": f"tcp://*:{events_port}", "topic": "kv"})]  # fmt: skip
+    return tuple(more)
+
+
+@pytest.fixture
+def published(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """Two publishing replicas (``a`` from vLLM's KV events, ``b`` at each request's end), a Redis, and two
+    cache-aware proxies on that directory."""
+    if REDIS is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    redis = RedisServer(tmp_path)
+    redis.start()
+    env = engine_env()
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    ports = {name: free_port() for name in ("a", "b", "p1", "p2")}
+    procs: list[tuple[subprocess.Popen, Path, int]] = []
+    for name, events in (("a", free_port()), ("b", None)):
+        log = tmp_path / f"replica-{name}.log"
+        cmd = _server_cmd(tiny_model, ports[name], _publishing(ports[name], redis.url, events))
+        procs.append((_replica(cmd, log, env), log, ports[name]))
+    urls = [arg for name in ("a", "b") for arg in ("--replica", f"http://127.0.0.1:{ports[name]}")]
+    for name in ("p1", "p2"):
+        log = tmp_path / f"proxy-{name}.log"
+        cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", *urls, "--policy", "cache-aware", "--directory", redis.url,
+               "--listen", f"127.0.0.1:{ports[name]}", "--timeout", "120"]  # fmt: skip
+        procs.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env), log, ports[name]))
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        for proc, log, port in procs:
+            wait_healthy(port, proc, log, deadline)
+        yield {**ports, "redis": redis, "procs": {"a": procs[0][0], "b": procs[1][0]}, "logs": [log for _, log, _ in procs]}
+    finally:
+        stop_all(p for p, _, _ in procs)
+        for proc, _, _ in procs[:2]:
+            kill_replica(proc)
+        redis.kill()
+
+
+def _holder(redis: RedisServer, tokens: list[int]) -> tuple[str, int]:
+    """(the replica URL the directory names for these prompt tokens, leading chunks it holds), or ("", 0)."""
+    entries = open_directory(redis.url).lookup(route_keys(tokens, "tiny"))
+    return (entries[0].holder, entries[0].num_blocks) if entries else ("", 0)
+
+
+def test_cache_aware_from_what_the_replicas_publish(published: dict[str, Any], prompts: dict) -> None:
+    redis, p1, p2 = published["redis"], published["p1"], published["p2"]
+    url = {name: f"http://127.0.0.1:{published[name]}" for name in ("a", "b")}
+    first, why = _routed(p1, text_of(prompts["A"]))
+    assert "no live holder" in why and _cached(first) == 0, why
+    second, _ = _routed(p1, text_of(prompts["B"]))  # a new prefix: least-loaded's tie goes to the other replica
+    # each replica published its prompt's full blocks (A's holder one way, B's the other)
+    held = {name: eventually(lambda n=name: _holder(redis, prompts[n]), 30) for name in ("A", "B")}
+    assert {h for h, _ in held.values()} == set(url.values()), held
+    assert all(n == FULL_TOKENS // 16 for _, n in held.values()), held
+
+    # the other proxy never saw A or B, and still sends each to the replica that holds it
+    for name in ("A", "B"):
+        again, why = _routed(p2, text_of(prompts[name]))
+        assert f"directory: {FULL_TOKENS // 16} of" in why, why
+        assert _cached(again) == FULL_TOKENS, f"{name} was not served from the holder's prefix cache: {again['usage']}"
+    assert _routed(p2, text_of(prompts["A"]))[0]["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert second["choices"]
+
+    # Redis dies: requests succeed, least-loaded, and say why; it comes back empty and the engines publish again
+    redis.kill()
+    for name in ("A", "C"):
+        answer, why = _routed(p1, text_of(prompts[name]))
+        assert "directory: unreachable, least-loaded" in why and answer["choices"], why
+    redis.start()
+    assert eventually(lambda: _holder(redis, prompts["A"])[0] != "", 30), "the replicas never published again"
+    _, why = _routed(p2, text_of(prompts["A"]))
+    assert "chunks held" in why, why
+
+    # a replica killed, engine core and all: its keys lapse with its lease (3 s), every request still succeeds
+    kill_replica(published["procs"]["a"])
+    for name in ("A", "B", "C", "D"):
+        assert _routed(p1, text_of(prompts[name]))[0]["choices"]
+    assert eventually(lambda: url["a"] not in open_directory(redis.url).holders(), 15)
