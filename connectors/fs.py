@@ -44,20 +44,24 @@ that chunk this store lacks — a failed load, recomputed, never wrong bytes.
 checksum; :data:`HEADER_BYTES` long unless the keys need more, always a multiple of 4096), then the
 blocks, each its bytes in every layer, layer after layer. A reader checks the header (its own
 checksum included), that the object has exactly the promised length, that it holds the key it was
-reached by, and each block's checksum *before that block's bytes reach the KV cache*: a damaged
-block fails from itself on (the blocks before it load), is counted in ``stats.corrupt`` and logged,
-and its object is deleted so the next producer rewrites it. Objects of another version or layout are
+reached by, and each block's checksum *before that block counts as loaded*: a damaged block fails
+from itself on (the blocks before it load; it and those after it are reported failed, so the engine
+recomputes them over whatever landed there), is counted in ``stats.corrupt`` and logged, and its
+object is deleted so the next producer rewrites it. Objects of another version or layout are
 left alone (another engine may own them). **Version 1 objects** (one file per block, written before)
 live outside the ``v2-<C>`` folders: today's readers never look at them (a miss, never an error) and
 eviction removes them, oldest first, like any object.
 
 **Moving bytes.** A save checksums each block straight from the KV cache and writes it from there
-(``pwritev`` of the per-layer pieces: no staging copy). A load reads each block into a small buffer
-of its thread (it stays in the CPU cache), checks it, and copies it into its block of the KV — one
-copy, never an unchecked byte in the KV. ``io_threads`` threads share a load's or a save's blocks
-(the kernel's copy, the checksum and the copy into the KV run in parallel where cores are free); a
-KV on a GPU, or one whose blocks are not contiguous, goes through a staging buffer and one scatter
-instead. ``o_direct=True`` opens objects with ``O_DIRECT`` (past the page cache: NVMe, parallel
+(``pwritev`` of the per-layer pieces: no staging copy). A load reads each block straight into its
+block of the KV (``preadv`` into the per-layer pieces: the kernel's copy is the only one) and checks
+it there. The block is the request's own, which the engine reads only after the load reports, and
+recomputes if the check failed — as a one-sided ucx read lands before its seal is checked. (Reading
+into a thread's buffer, checking, then copying into the KV cost a second copy: 0.61 of the raw
+medium at 128 MiB.) ``io_threads`` threads share a load's or a save's blocks (the kernel's copy and
+the checksum run in parallel where cores are free); a KV on a GPU, one whose blocks are not
+contiguous, or ``o_direct`` (aligned buffers) goes through a per-thread buffer, then the KV or a
+staging buffer and one scatter. ``o_direct=True`` opens objects with ``O_DIRECT`` (past the page cache: NVMe, parallel
 filesystems), through page-aligned buffers; a filesystem that refuses it is a
 :class:`~kvbridge.errors.ConfigError` at start-up. (A layout whose block is not a multiple of 4096
 bytes writes through the page cache even then; every real model's is.)
@@ -220,15 +224,16 @@ def _write_at(fd: int, bufs: Sequence[Any], offset: int) -> None:
         left = _advance(left, n)
 
 
-def _read_at(fd: int, buf: Any, offset: int) -> int:
-    """Fill ``buf`` from ``offset`` until it is full or the file ends; the bytes read."""
-    view = memoryview(buf).cast("B")
+def _read_at(fd: int, bufs: Sequence[Any], offset: int) -> int:
+    """Fill ``bufs``, in order, from ``offset`` until they are full or the file ends; the bytes read."""
+    left = _bytes_of(bufs)
     total = 0
-    while total < len(view):
-        n = os.preadv(fd, [view[total:]], offset + total)
+    while left:
+        n = os.preadv(fd, left[:_IOV_MAX], offset + total)
         if n == 0:
             break
         total += n
+        left = _advance(left, n)
     return total
 
 
@@ -551,11 +556,11 @@ class FsStore(_Tree, StoreIO):
                 raise Corrupted("not a regular file", damaged=False)
             size = st.st_size
             buf = self._buffer(_ALIGN)
-            got = _read_at(fd, buf[:_ALIGN], 0)
+            got = _read_at(fd, [buf[:_ALIGN]], 0)
             length = FORMAT.header_bytes(buf[:got], size)
             if length > got:
                 buf = _aligned(length)
-                got = _read_at(fd, buf[:length], 0)
+                got = _read_at(fd, [buf[:length]], 0)
             return fd, FORMAT.parse(buf[:got], fingerprint=fingerprint, size=size)
         except Corrupted as bad:
             self._reject(path, fd, bad)
@@ -613,6 +618,9 @@ class FsStore(_Tree, StoreIO):
                     return False
                 r, pos = where[i]
                 try:
+                    if blocks is not None and not self._direct:  # straight into its block, checked there
+                        self._read_in_place(r.fd, r.chunk, pos, blocks.parts(op.block_ids[i]))
+                        return True
                     data = self._read_block(r.fd, r.chunk, pos).reshape(layout.num_layers, layout.block_bytes)
                 except (Corrupted, OSError) as exc:
                     failed[0] = i
@@ -680,6 +688,15 @@ class FsStore(_Tree, StoreIO):
         outcomes = self._parallel(n, place)
         return next((i for i, ok in enumerate(outcomes) if not ok), n)
 
+    @staticmethod
+    def _read_in_place(fd: int, chunk: codec.Chunk, pos: int, parts: list[np.ndarray]) -> None:
+        """Block ``pos`` of an object read into its block of the KV (``parts``: one per layer) and checked
+        there; :class:`Corrupted` if bad (the engine then recomputes that block, overwriting it)."""
+        got = _read_at(fd, parts, chunk.offset(pos))
+        if got < chunk.payload:
+            raise Corrupted(f"block {pos} cut short ({got} of {chunk.payload} bytes)", damaged=True)
+        chunk.verify(pos, parts)
+
     def _read_block(self, fd: int, chunk: codec.Chunk, pos: int) -> np.ndarray:
         """Block ``pos`` of an object, read into this thread's buffer and checked; :class:`Corrupted` if bad."""
         payload = chunk.payload
@@ -688,11 +705,11 @@ class FsStore(_Tree, StoreIO):
             lo = off - off % _ALIGN
             hi = -(-(off + payload) // _ALIGN) * _ALIGN
             buf = self._buffer(hi - lo)
-            got = _read_at(fd, buf[: hi - lo], lo) - (off - lo)
+            got = _read_at(fd, [buf[: hi - lo]], lo) - (off - lo)
             data = buf[off - lo : off - lo + payload]
         else:
             data = self._buffer(payload)[:payload]
-            got = _read_at(fd, data, off)
+            got = _read_at(fd, [data], off)
         if got < payload:
             raise Corrupted(f"block {pos} cut short ({max(got, 0)} of {payload} bytes)", damaged=True)
         chunk.verify(pos, [data])

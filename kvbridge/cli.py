@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("kvbridge.bench.simulate", "simulate colocated vs disaggregated prefill/decode serving"),
     "metadata-server": ("kvbridge.metadata.server", "run the gRPC metadata server (handshake, release, directory)"),
     "proxy": ("kvbridge.vllm.proxy", "P/D proxy: prefill on one vLLM server, decode on another"),
+    "publish": ("kvbridge.vllm.publishing", "publish a vLLM engine's prefix cache (its KV events) for proxy --directory"),
 }
 
 

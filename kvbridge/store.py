@@ -111,8 +111,10 @@ class StoreIO(abc.ABC):
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         """Copy ``op.keys`` into blocks ``op.block_ids``; return the block ids that did *not* arrive.
 
-        Runs on the IO thread. Must never write bytes that failed validation into the KV. A block
-        that failed is reported, not raised; raising marks every block of ``op`` as failed.
+        Runs on the IO thread. A block counts as arrived only once its bytes are checked: bytes may land
+        in ``op.block_ids`` before their check (the engine reads those blocks only after the report),
+        and a block that failed is reported — never raised, never counted — so the engine recomputes it
+        over whatever landed. Raising marks every block of ``op`` as failed.
         """
 
     @abc.abstractmethod

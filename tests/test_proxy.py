@@ -434,6 +434,7 @@ def test_the_proxy_routes_to_the_engine_that_published_the_prefix(redis: RedisSe
                           and "chunks held" in _ask_body(port, {"model": "tiny", "prompt": system + "back"})[1], 15)  # fmt: skip
         m = metrics(port)
         assert m["kvbridge_proxy_tokenize_seconds_count"] >= 10 and m["kvbridge_proxy_directory_seconds_count"] >= 10
+        assert m["kvbridge_proxy_route_cache_aware_unreachable_total"] >= 8 and m["kvbridge_proxy_route_cache_aware_held_total"] >= 5
     finally:
         for held in engines.values():
             held.close()

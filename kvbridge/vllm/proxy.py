@@ -152,6 +152,16 @@ def tokenize_request(body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
     return None
 
 
+def route_metric(reason: str) -> str:
+    """The ``/metrics`` counter of a routing decision: its policy, and for cache-aware what decided it
+    (``route_cache_aware_held``, ``..._least_loaded``, ``..._unreachable``)."""
+    policy = reason.split(":", 1)[0].replace("-", "_")
+    if policy != "cache_aware":
+        return f"route_{policy}"
+    outcome = "held" if "chunks held" in reason else "unreachable" if "unreachable" in reason else "least_loaded"
+    return f"route_cache_aware_{outcome}"
+
+
 class Metrics:
     """The proxy's counters and latency sums, as ``GET /metrics`` shows them (Prometheus text format)."""
 
@@ -308,7 +318,7 @@ class _Handler(BaseHTTPRequestHandler):
         while len(tried) < len(srv.prefill_servers):
             decision, keys = srv.router.pick(body, exclude=tried, held=held)
             tried.append(decision.index)
-            srv.metrics.count(f"route_{decision.reason.split(':')[0].replace('-', '_')}")
+            srv.metrics.count(route_metric(decision.reason))
             try:
                 answer = srv.prefill_servers[decision.index].post_json(path, prefill_request(body), headers)
             except UpstreamError as exc:
@@ -336,6 +346,8 @@ class _Handler(BaseHTTPRequestHandler):
         while len(tried) < len(pool):
             decision, keys = router.pick(route_body, exclude=tried, held=held)
             tried.append(decision.index)
+            if route_body is not None:
+                self.server.metrics.count(route_metric(decision.reason))
             try:
                 resp = pool[decision.index].open("POST", path, payload, {**headers, "Content-Type": "application/json"})
             except UpstreamError as exc:
@@ -459,7 +471,7 @@ def make_server(prefill: Sequence[str], decode: Sequence[str], listen: str = "12
     )
 
 
-def _checked(parse: Callable[[str], Any]) -> Callable[[str], str]:
+def checked(parse: Callable[[str], Any]) -> Callable[[str], str]:
     """An argparse ``type`` that validates with ``parse`` and keeps the text (errors exit 2, no traceback)."""
 
     def check(text: str) -> str:
@@ -472,7 +484,7 @@ def _checked(parse: Callable[[str], Any]) -> Callable[[str], str]:
     return check
 
 
-def _positive(text: str) -> float:
+def positive_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -489,19 +501,19 @@ def _directory_url(text: str) -> str:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    url = _checked(lambda t: parse_http_url(t, what="URL"))
+    url = checked(lambda t: parse_http_url(t, what="URL"))
     parser.add_argument("--prefill", action="append", default=[], type=url, metavar="URL", help="prefill server (repeatable)")
     parser.add_argument("--decode", action="append", default=[], type=url, metavar="URL", help="decode server (repeatable)")
     parser.add_argument("--replica", action="append", default=[], type=url, metavar="URL",
                         help="a plain (not disaggregated) server, instead of --prefill/--decode (repeatable)")
     parser.add_argument("--policy", choices=POLICIES, default="cache-aware",
                         help="how an upstream is picked (default %(default)s; see kvbridge.vllm.routing)")
-    parser.add_argument("--directory", default=None, metavar="URL", type=_checked(_directory_url),
+    parser.add_argument("--directory", default=None, metavar="URL", type=checked(_directory_url),
                         help="route cache-aware from what engines publish to this block directory "
                              "(redis://HOST:PORT/DB or grpc://HOST:PORT; each engine sets advertise_url)")  # fmt: skip
     parser.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="where to listen (default %(default)s)",
-                        type=_checked(lambda t: parse_host_port(t, what="HOST:PORT", allow_zero=True)))  # fmt: skip
-    parser.add_argument("--timeout", type=_positive, default=300.0, help="seconds an upstream may stay silent (default %(default)s)")
+                        type=checked(lambda t: parse_host_port(t, what="HOST:PORT", allow_zero=True)))  # fmt: skip
+    parser.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds an upstream may stay silent (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:

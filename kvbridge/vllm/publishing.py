@@ -23,15 +23,19 @@ the served model name) of every full block the engine's prefix cache holds, unde
   (oldest first out), which stands in for vLLM's LRU eviction.
 
 Routing is a hint: a key published for a block vLLM already evicted costs that request a recompute,
-nothing else. Not in the keys: a request's ``cache_salt`` where the events feed them (vLLM's events
+nothing else. An engine that runs no kvbridge connector can be followed from beside it: ``kvbridge
+publish --kv-events tcp://HOST:5557 --directory URL --advertise-url URL --model NAME`` (:func:`run`) does
+the same from its KV-cache events, with no cost in the engine's own steps. Not in the keys: a request's ``cache_salt`` where the events feed them (vLLM's events
 do not carry it), and multimodal inputs (a router does not hash images).
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import logging
+import signal
 import threading
 from typing import Any
 
@@ -229,4 +233,37 @@ class KVEventFeed:
         self._sock.close(0)
 
 
-__all__ = ["KEYS", "CachePublisher", "KVEventFeed", "PublishOptions", "kv_events_endpoint", "served_name"]
+# ---- kvbridge publish: the same from beside an engine that runs no kvbridge connector ------------------
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from kvbridge.vllm.proxy import checked, positive_seconds
+
+    parser.description = ("Follow a vLLM engine's KV-cache events (--kv-events-config with the zmq publisher) and keep "
+                          "its prefix cache published in a block directory for kvbridge proxy --directory.")  # fmt: skip
+    parser.add_argument("--kv-events", required=True, metavar="tcp://HOST:PORT", help="the engine's KV-event endpoint")
+    parser.add_argument("--topic", default="", help="the engine's KV-event topic (default none)")
+    parser.add_argument("--directory", required=True, metavar="URL", type=checked(check_directory_url),
+                        help="redis://HOST:PORT/DB or grpc://HOST:PORT")  # fmt: skip
+    parser.add_argument("--advertise-url", required=True, metavar="URL", type=checked(lambda t: parse_http_url(t, what="--advertise-url")),
+                        help="the engine's http://HOST:PORT as the proxy names it")  # fmt: skip
+    parser.add_argument("--model", required=True, help="the engine's served model name (what clients send as model)")
+    parser.add_argument("--ttl", type=positive_seconds, default=30.0, help="the lease, seconds (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    url = args.advertise_url.strip().rstrip("/")
+    holdings = Holdings(open_directory(args.directory), url, address=url, ttl_s=args.ttl)
+    feed = KVEventFeed(args.kv_events, args.topic, holdings, args.model)
+    print(f"kvbridge publish: {args.kv_events} -> {args.directory} as {url} (model {args.model})", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    feed.close()
+    holdings.close()
+    return 0
+
+
+__all__ = ["KEYS", "CachePublisher", "KVEventFeed", "PublishOptions", "configure", "kv_events_endpoint", "run", "served_name"]

@@ -1,7 +1,7 @@
 """The routing bench: a shared-prefix workload through ``kvbridge proxy`` in front of two real vLLM replicas,
 each policy in the same run (one after the other, fresh replicas each time). ``directory`` is cache-aware
-from what the replicas publish (their kvbridge connectors follow vLLM's KV-cache events into a Redis that
-the run starts) instead of the proxy's own record of where it sent each prompt.
+from what the replicas publish (vLLM's own KV-cache events, kept in a Redis that the run starts by a
+``kvbridge publish`` beside each replica) instead of the proxy's own record of where it sent each prompt.
 
     .venv-vllm/bin/python tests/vllm/routing_bench.py [--prompts 64] [--prefixes 8] [--prefix-len 384] [--rate 4]
 
@@ -55,27 +55,29 @@ def prefix_counters(port: int) -> tuple[float, float]:
     return values["hits"], values["queries"]
 
 
-def publishing(port: int, directory: str) -> tuple[dict[str, Any], list[str]]:
-    """A replica's kvbridge connector that publishes its prefix cache (from vLLM's KV events) to ``directory``.
-    Its own tier is a CPU store of 256 KiB (4 blocks of the tiny model): next to nothing, so the hit rate
-    is the prefix cache's, as for the other policies."""
-    extra = {"capacity_bytes": 256 << 10, "directory": directory, "advertise_url": f"http://127.0.0.1:{port}"}
-    kv = {"kv_connector": "kvbridge.CPUConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"}
-    return kv, ["--kv-events-config", json.dumps(events)]
+def kv_events() -> tuple[str, list[str]]:
+    """A replica's KV-event endpoint, and the server flags that make vLLM publish there."""
+    port = free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    return f"tcp://127.0.0.1:{port}", ["--kv-events-config", json.dumps(events)]
 
 
 def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -> dict[str, Any]:
     lay = Layout(policy, work, model)
     redis = RedisServer(work) if policy == "directory" else None
     proxy_args = ["--policy", policy]
+    sidecars: list[subprocess.Popen] = []
     for name in ("a", "b"):
         if redis is None:
             lay.server(name, None, kv_bytes=args.kv_mib << 20)
             continue
-        port = free_port()
-        kv, more = publishing(port, redis.url)
-        lay.server(name, kv, kv_bytes=args.kv_mib << 20, more=more, port=port)
+        # plain engines that publish their KV events; `kvbridge publish` beside each keeps them in the directory
+        port, (endpoint, more) = free_port(), kv_events()
+        lay.server(name, None, kv_bytes=args.kv_mib << 20, more=more, port=port)
+        sidecars.append(subprocess.Popen([sys.executable, "-m", "kvbridge.cli", "publish", "--kv-events", endpoint,
+                                          "--directory", redis.url, "--advertise-url", f"http://127.0.0.1:{port}",
+                                          "--model", "tiny"], stdout=open(work / f"publish-{name}.log", "w"),
+                                         stderr=subprocess.STDOUT))  # fmt: skip
     if redis is not None:
         redis.start()
         proxy_args = ["--policy", "cache-aware", "--directory", redis.url]
@@ -104,6 +106,9 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -
         return res
     finally:
         lay.close()
+        for proc in sidecars:
+            proc.terminate()
+            proc.wait(30)
         if redis is not None:
             redis.kill()
 
@@ -148,7 +153,7 @@ def main() -> None:
         f" {args.prefix_len} tokens + {args.suffix_len} own, {args.output_len} out, {args.rate} req/s, seed {args.seed};"
         f" two replicas of the tiny 2-layer Llama, float32, block 32, {args.kv_mib} MiB KV cache each, behind"
         " `kvbridge proxy --replica A --replica B --policy P` (directory: `--policy cache-aware --directory redis://...`,"
-        " replicas publishing from vLLM's KV events); fresh replicas per policy",
+        " replicas' KV events kept there by `kvbridge publish`); fresh replicas per policy",
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)

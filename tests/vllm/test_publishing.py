@@ -117,3 +117,47 @@ def test_vllms_kv_events_are_followed_block_by_block(directory: str) -> None:
         feed.close()
         holdings.close()
         publisher.shutdown()
+
+
+def test_kvbridge_publish_follows_an_engine_from_beside_it(directory: str) -> None:
+    """``kvbridge publish``: vLLM's own publisher's events, kept in the directory by a separate process."""
+    import subprocess
+    import sys
+
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    port = _free_port()
+    publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}")
+    cmd = [sys.executable, "-m", "kvbridge.cli", "publish", "--kv-events", f"tcp://127.0.0.1:{port}", "--directory", directory,
+           "--advertise-url", "http://127.0.0.1:8200", "--model", "tiny", "--ttl", "5"]  # fmt: skip
+    sidecar = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tokens = list(range(64))
+    keys = route_keys(tokens, "tiny")
+    event = BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=tokens, block_size=32, lora_id=None,
+                        medium="GPU", lora_name=None)  # fmt: skip
+    try:
+        assert sidecar.stdout is not None
+        assert any("kvbridge publish:" in sidecar.stdout.readline() for _ in range(50)), "it never said it started"
+
+        def published() -> bool:  # its SUB socket joins a moment after it starts: send until it is heard
+            publisher.publish(KVEventBatch(ts=time.time(), events=[event]))
+            return depth(directory, "http://127.0.0.1:8200", keys) == 4
+
+        assert eventually(published, 30)
+        sidecar.terminate()
+        assert sidecar.wait(30) == 0
+        assert eventually(lambda: depth(directory, "http://127.0.0.1:8200", keys) == 0), "a stopped sidecar unpublishes"
+    finally:
+        if sidecar.poll() is None:
+            sidecar.kill()
+        publisher.shutdown()
+
+
+def test_kvbridge_publish_refuses_bad_input() -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kvbridge.cli", "publish", "--kv-events", "tcp://127.0.0.1:1", "--directory", "nope",
+           "--advertise-url", "http://a:1", "--model", "m"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "directory" in out.stderr and "Traceback" not in out.stderr
