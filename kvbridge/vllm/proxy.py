@@ -25,7 +25,9 @@ Other routes, so the proxy stands in for a vLLM server (benchmark clients probe 
 the engines publish (:class:`~kvbridge.vllm.routing.DirectoryView`). The proxy then asks an engine's
 ``/tokenize`` for each prompt's tokens (chat requests through the chat template, as the engine will)
 and the directory who holds them: two calls on the request path, timed in ``/metrics``
-(``tokenize_seconds``, ``directory_seconds``). Standard library only, but for the directory's client.
+(``tokenize_seconds``, ``directory_seconds``). ``--tokenizer PATH`` (the engines' tokenizer, loaded with
+``transformers``) tokenizes completion prompts in the proxy instead, saving the first call (about 5 ms
+on a busy 2-core machine); chat requests still go to ``/tokenize``, where the engine's chat template is. Standard library only, but for the directory's client.
 """
 
 from __future__ import annotations
@@ -136,6 +138,26 @@ _CHAT_TOKENIZE = ("model", "messages", "add_generation_prompt", "continue_final_
                   "chat_template_kwargs", "tools", "add_special_tokens")  # fmt: skip
 
 
+class LocalTokenizer:
+    """The engines' tokenizer in the proxy (``--tokenizer``), for completion prompts: the same ids as the
+    engine's, which tokenizes them with the same Hugging Face tokenizer and ``add_special_tokens``."""
+
+    def __init__(self, name: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise ConfigError("proxy --tokenizer needs transformers: pip install transformers") from exc
+        try:
+            self._tok = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"proxy --tokenizer {name!r}: cannot load it ({exc})") from exc
+
+    def __call__(self, request: dict[str, Any]) -> list[int] | None:
+        if "prompt" not in request:
+            return None  # chat: the engine's own /tokenize applies its chat template
+        return list(self._tok(request["prompt"], add_special_tokens=bool(request.get("add_special_tokens", True)))["input_ids"])
+
+
 def tokenize_request(body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
     """What gives this request's prompt tokens: the token ids themselves when the client sent ids, else
     the ``/tokenize`` request that makes the engine tokenize it as it will (same special tokens, same
@@ -202,7 +224,7 @@ class ProxyServer(ThreadingHTTPServer):
 
     def __init__(self, listen: tuple[str, int], prefill: Sequence[Upstream], decode: Sequence[Upstream],
                  replicas: Sequence[Upstream] = (), policy: str = "round-robin", poll_s: float = 1.0,
-                 directory: str = ""):  # fmt: skip
+                 directory: str = "", tokenizer: str = ""):  # fmt: skip
         if policy not in POLICIES:
             raise ConfigError(f"proxy --policy must be one of {list(POLICIES)}, got {policy!r}")
         if replicas and (prefill or decode):
@@ -222,6 +244,9 @@ class ProxyServer(ThreadingHTTPServer):
             from kvbridge.metadata.holdings import open_directory
 
             self.directory = DirectoryView(open_directory(directory), [u.url for u in first])
+        if tokenizer and not directory:
+            raise ConfigError("proxy --tokenizer is for --directory routing; give --directory too")
+        self.tokenizer = LocalTokenizer(tokenizer) if tokenizer else None
         self.decode_router = Router([u.url for u in self.decode_servers] or ["-"],
                                     "round-robin" if policy == "round-robin" else "least-loaded")  # fmt: skip
         self.metrics = Metrics()
@@ -383,6 +408,10 @@ class _Handler(BaseHTTPRequestHandler):
         request = tokenize_request(body)
         if request is None or isinstance(request, list):
             return request
+        if self.server.tokenizer is not None:
+            local = self.server.tokenizer(request)
+            if local is not None:
+                return local
         for i in router.live()[:2]:  # a second try where the first is down
             try:
                 answer = pool[i].post_json("/tokenize", request, {})
@@ -456,7 +485,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 def make_server(prefill: Sequence[str], decode: Sequence[str], listen: str = "127.0.0.1:8000", timeout: float = 300.0,
                 *, replicas: Sequence[str] = (), policy: str = "round-robin", poll_s: float = 1.0,
-                directory: str = "") -> ProxyServer:  # fmt: skip
+                directory: str = "", tokenizer: str = "") -> ProxyServer:  # fmt: skip
     """A proxy bound to ``listen`` (``HOST:PORT``; port 0 picks a free one), not yet serving.
     Bad input raises :class:`~kvbridge.errors.ConfigError` naming it."""
     where = parse_host_port(listen, what="proxy --listen", allow_zero=True)
@@ -468,6 +497,7 @@ def make_server(prefill: Sequence[str], decode: Sequence[str], listen: str = "12
         policy,
         poll_s,
         directory,
+        tokenizer,
     )
 
 
@@ -511,6 +541,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--directory", default=None, metavar="URL", type=checked(_directory_url),
                         help="route cache-aware from what engines publish to this block directory "
                              "(redis://HOST:PORT/DB or grpc://HOST:PORT; each engine sets advertise_url)")  # fmt: skip
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="with --directory: tokenize completion prompts here with this Hugging Face tokenizer "
+                             "(the engines'), instead of asking an engine's /tokenize")  # fmt: skip
     parser.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="where to listen (default %(default)s)",
                         type=checked(lambda t: parse_host_port(t, what="HOST:PORT", allow_zero=True)))  # fmt: skip
     parser.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds an upstream may stay silent (default %(default)s)")
@@ -519,7 +552,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     server = make_server(args.prefill, args.decode, args.listen, args.timeout, replicas=args.replica, policy=args.policy,
-                         directory=args.directory or "")
+                         directory=args.directory or "", tokenizer=args.tokenizer or "")
     host, port = str(server.server_address[0]), int(server.server_address[1])
     upstreams = f"replicas={args.replica}" if args.replica else f"prefill={args.prefill} decode={args.decode}"
     where = f" directory={args.directory}" if args.directory else ""

@@ -62,6 +62,17 @@ def kv_events() -> tuple[str, list[str]]:
     return f"tcp://127.0.0.1:{port}", ["--kv-events-config", json.dumps(events)]
 
 
+def proxy_metrics(port: int) -> dict[str, float]:
+    from kvbridge.vllm.routing import parse_prometheus
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        return parse_prometheus(conn.getresponse().read().decode())
+    finally:
+        conn.close()
+
+
 def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -> dict[str, Any]:
     lay = Layout(policy, work, model)
     redis = RedisServer(work) if policy == "directory" else None
@@ -80,7 +91,7 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -
                                          stderr=subprocess.STDOUT))  # fmt: skip
     if redis is not None:
         redis.start()
-        proxy_args = ["--policy", "cache-aware", "--directory", redis.url]
+        proxy_args = ["--policy", "cache-aware", "--directory", redis.url, "--tokenizer", str(model)]
     port = free_port()
     cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", *proxy_args, "--listen", f"127.0.0.1:{port}",
            "--timeout", "120", *(a for n in ("a", "b") for a in ("--replica", f"http://127.0.0.1:{lay.ports[n]}"))]
@@ -102,6 +113,10 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -
         hits = sum(a[0] - b[0] for a, b in zip(after, before))
         queries = sum(a[1] - b[1] for a, b in zip(after, before))
         res["hit_rate"] = hits / queries if queries else None
+        proxy = proxy_metrics(port)  # what routing itself cost per request (the directory policy's two calls)
+        for name in ("tokenize", "directory"):
+            n = proxy.get(f"kvbridge_proxy_{name}_seconds_count", 0)
+            res[f"{name}_ms"] = 1000 * proxy[f"kvbridge_proxy_{name}_seconds_sum"] / n if n else None
         print(f"[{policy}] {res}", flush=True)
         return res
     finally:
@@ -139,6 +154,10 @@ def main() -> None:
         lines.append(f"{name:<12}  {fmt(r['completed']):>9}  {fmt(r['failed']):>6}  {rate:>8}  {fmt(r['mean_ttft_ms']):>9}  "
                      f"{fmt(r['p99_ttft_ms']):>8}  {fmt(r['mean_itl_ms']):>8}  {fmt(r['request_throughput'], 2):>5}")
     lines.append("(hit rate: prefix-cache hits over queries, in tokens, both replicas; TTFT and ITL in ms)")
+    for name, r in rows:
+        if r.get("tokenize_ms") is not None:
+            lines.append(f"({name}: tokenizing took the proxy {r['tokenize_ms']:.1f} ms and the directory lookup"
+                         f" {r['directory_ms']:.1f} ms per request, mean; both are in its TTFT)")
     table = "\n".join(lines)
     print("\n" + table)
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -152,7 +171,7 @@ def main() -> None:
         f"# workload: vllm.benchmarks.serve prefix_repetition dataset, {args.prompts} prompts, {args.prefixes} prefixes of"
         f" {args.prefix_len} tokens + {args.suffix_len} own, {args.output_len} out, {args.rate} req/s, seed {args.seed};"
         f" two replicas of the tiny 2-layer Llama, float32, block 32, {args.kv_mib} MiB KV cache each, behind"
-        " `kvbridge proxy --replica A --replica B --policy P` (directory: `--policy cache-aware --directory redis://...`,"
+        " `kvbridge proxy --replica A --replica B --policy P` (directory: `--policy cache-aware --directory redis://... --tokenizer MODEL`,"
         " replicas' KV events kept there by `kvbridge publish`); fresh replicas per policy",
         "",
     ]

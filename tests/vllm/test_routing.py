@@ -168,10 +168,11 @@ def published(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
         cmd = _server_cmd(tiny_model, ports[name], _publishing(ports[name], redis.url, events))
         procs.append((_replica(cmd, log, env), log, ports[name]))
     urls = [arg for name in ("a", "b") for arg in ("--replica", f"http://127.0.0.1:{ports[name]}")]
-    for name in ("p1", "p2"):
+    for name in ("p1", "p2"):  # p2 tokenizes in the proxy: it finds the prefixes only if its ids equal the engines'
         log = tmp_path / f"proxy-{name}.log"
+        local = ["--tokenizer", str(tiny_model)] if name == "p2" else []
         cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", *urls, "--policy", "cache-aware", "--directory", redis.url,
-               "--listen", f"127.0.0.1:{ports[name]}", "--timeout", "120"]  # fmt: skip
+               *local, "--listen", f"127.0.0.1:{ports[name]}", "--timeout", "120"]  # fmt: skip
         procs.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env), log, ports[name]))
     try:
         deadline = time.monotonic() + SERVER_START_S
@@ -202,7 +203,7 @@ def test_cache_aware_from_what_the_replicas_publish(published: dict[str, Any], p
     assert {h for h, _ in held.values()} == set(url.values()), held
     assert all(n == FULL_TOKENS // 16 for _, n in held.values()), held
 
-    # the other proxy never saw A or B, and still sends each to the replica that holds it
+    # the other proxy never saw A or B (and tokenizes them itself), and still sends each to the replica that holds it
     for name in ("A", "B"):
         again, why = _routed(p2, text_of(prompts[name]))
         assert f"directory: {FULL_TOKENS // 16} of" in why, why
