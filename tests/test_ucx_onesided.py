@@ -73,30 +73,34 @@ def test_idle_producer_hands_off_bit_exact(tmp_path: Path, lane: str) -> None:
         p.close()
 
 
-def test_a_sealed_read_counts_without_a_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lane", ["auto", "ucp"])
+def test_a_sealed_read_counts_without_a_round_trip(tmp_path: Path, lane: str) -> None:
     """A producer whose engine stepped after the hand-off has sealed it: the consumer counts the read at
-    once (no confirming release on the load's path) and the release still frees the producer's blocks."""
+    once (no confirming release on the load's path) and the release still frees the producer's blocks;
+    over cma the seal is one more process_vm_readv, over ucp a GET of the registered table."""
     p = Producer(tmp_path / "p", "--num-blocks", "72")
-    consumer = _consumer(tmp_path, timeout_s=TIMEOUT_S)
+    consumer = _consumer(tmp_path, lane=lane, timeout_s=TIMEOUT_S)
     try:
         params = p.prefill("sealed", 500, seed=21)
         assert params["seal"][0] >= 0 and int(params["seal"][1], 16) != 0
         got = consumer.prefill("sealed-c", _tokens(500, 21), params, timeout=30)
         assert got.failed_blocks == [] and torch.equal(got.snapshot[:, :31], p.sent("sealed"))
         assert consumer.worker.stats.sealed_loads == 1  # type: ignore[attr-defined]
+        assert _lane(consumer) == {"cma" if lane == "auto" else "ucp"}
         p.wait_freed()  # the release, sent off the load's path, arrived
     finally:
         consumer.close()
         p.close()
 
 
-def test_a_hold_that_ends_during_the_read_is_not_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("lane", ["cma", "ucp"])
+def test_a_hold_that_ends_during_the_read_is_not_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lane: str) -> None:
     """The hold ends (another consumer released it) after the blocks were read but before the seal is
     checked: the seal is gone, the confirming release says no, every block fails. The timing is forced
     (the release runs inside the read); the producer, seal table and release are the real ones."""
     from kvbridge.connectors.ucx import UcxBackend, UcxOptions, onesided
 
-    options = UcxOptions(registry_dir=str(tmp_path / "reg"), timeout_s=TIMEOUT_S)
+    options = UcxOptions(registry_dir=str(tmp_path / "reg"), timeout_s=TIMEOUT_S, lane=lane)
     producer = MiniEngine(UcxBackend(options), engine_id="p", role="producer", seed=1)
     consumer = MiniEngine(UcxBackend(options), engine_id="c", role="consumer", seed=2)
     real_read = onesided.read
@@ -114,6 +118,7 @@ def test_a_hold_that_ends_during_the_read_is_not_counted(tmp_path: Path, monkeyp
         got = consumer.prefill("r-c", tokens, sent.finish.transfer_params)
         assert got.failed_blocks == sorted(got.block_ids[:4]) and got.loaded_blocks == []
         assert consumer.worker.stats.sealed_loads == 0  # type: ignore[attr-defined]
+        assert _lane(consumer) == {lane}
     finally:
         producer.close()
         consumer.close()

@@ -31,15 +31,16 @@ the release in its next step), so confirmed bytes were never overwritten during 
 producer cannot confirm; a failed read or refusal fails every block of the load (the engine
 recomputes them), because a one-sided batch may have landed partly.
 
-**The seal: confirming without a round trip** (``cma`` only). Each hand-off carries a *seal* ``(slot,
+**The seal: confirming without a round trip.** Each hand-off carries a *seal* ``(slot,
 word)``, chosen by the producer's scheduler (word random and nonzero, covered by the grant). The producer
 worker keeps a table of words (:class:`Seals`, exported with the KV): it writes ``word`` at ``slot`` when
 its plan names the hold, and clears it when the hold ends (release, lease over) — before reporting the
 request, so before the engine can free its blocks. After reading the data the consumer reads that word
-(a second ``process_vm_readv``): equal means the hold had not ended when the read was over, so the
+(``cma``: a second ``process_vm_readv``; ``ucp``: one 8-byte GET of the table, which the producer
+registers beside its KV, posted once the data's GETs completed): equal means the hold had not ended when the read was over, so the
 blocks were held throughout (a hold never comes back once ended), and the bytes count at once; the
 release then goes off the load's path. Anything else (the worker has not learnt the hold yet, a newer
-hold took the slot, the ``ucp`` lane) falls back to the confirming release above. The seal only saves a
+hold took the slot, a producer that registered no table) falls back to the confirming release above. The seal only saves a
 round trip; the answer is the same.
 
 **Trust.** UCX traffic is neither authenticated nor encrypted. Whoever holds the rkeys (``ucp``) can read
@@ -80,6 +81,7 @@ ASK = "ucx1s_ask"  # consumer: request id + grant of the load that asks for one-
 PID, PROBE, ADDRESSING, WORKER, RKEYS, MEMORY, BLOCKS = ("ucx1s_pid", "ucx1s_probe", "ucx1s_addressing", "ucx1s_worker",
                                                           "ucx1s_rkeys", "ucx1s_memory", "ucx1s_blocks")
 SEALS = "ucx1s_seals"  # "<address>:<slots>" of the producer's seal table
+SEAL_RKEY = "ucx1s_seal_rkey"  # the seal table's rkey (hex), where ucp registered it
 SEAL_SLOTS = 1 << 16  # words in a producer's seal table (512 KiB); a slot is reused after that many hand-offs
 _GRANT = struct.Struct("<d32s32s")  # expires_at, HMAC-SHA256, sha256 of the block ids (and seal) it covers
 Seal = tuple[int, int]  # (slot, word): see the module docstring
@@ -200,10 +202,12 @@ class Exporter:
         self._probe = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()  # kept alive with self
         self.seals = Seals()
         self._regions: list[Any] = []
+        self._seal_region: Any = None
         self._ucp_error = ""
         try:
             ctx = context(tls)
             self._regions = [ctx.map(addr, n, memory_type=_memory_type(layout)) for addr, n in layout.regions()]
+            self._seal_region = ctx.map(self.seals.words.ctypes.data, self.seals.words.nbytes, memory_type="host")
             self._worker = bytes(ctx.address)
         except Exception as exc:  # noqa: BLE001 - cma may still serve; say why ucp cannot
             self._ucp_error = f"{type(exc).__name__}: {exc}"
@@ -222,13 +226,15 @@ class Exporter:
         if self._regions:
             out[WORKER] = self._worker
             out[RKEYS] = json.dumps([[r.address, r.length, bytes(r.rkey).hex()] for r in self._regions]).encode()
+        if self._seal_region is not None:
+            out[SEAL_RKEY] = bytes(self._seal_region.rkey).hex().encode()
         return out
 
     def close(self) -> None:
-        for region in self._regions:
+        for region in [*self._regions, *([self._seal_region] if self._seal_region is not None else [])]:
             with contextlib.suppress(ValueError):  # its context closed first (at exit): already unmapped
                 region.close()
-        self._regions = []
+        self._regions, self._seal_region = [], None
 
 
 # ---- consumer --------------------------------------------------------------------------------------------
@@ -242,7 +248,8 @@ class Source:
     pid: int = 0
     ep: Any = None
     layer_rkey: np.ndarray | None = None  # rkey index per layer (ucp)
-    seals: tuple[int, int] = (0, 0)  # (address, slots) of the producer's seal table (cma); (0, 0): none
+    seals: tuple[int, int] = (0, 0)  # (address, slots) of the producer's seal table; (0, 0): none
+    seal_rkey: int = -1  # its rkey index (ucp); -1: not registered, the release confirms
 
     def close(self) -> None:
         if self.ep is not None:
@@ -278,6 +285,7 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
                                   "pid namespace or permission (ptrace scope)")
     if WORKER not in t:
         raise PeerUnreachable(f"producer {theirs.engine_id} registered no KV with UCX; no one-sided lane left")
+    address, _, slots = t.get(SEALS, b"0:0").decode().partition(":")
     ctx = context(tls)
     ep = ctx.connect(t[WORKER], error_handling=lane != "ucp-unsafe")
     try:
@@ -289,10 +297,12 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
             if not hits:
                 raise LayoutMismatch(f"producer layer {i} lies in no registered region")
             layer_rkey[i] = index[hits[0]]
+        seal_rkey = ep.add_rkey(bytes.fromhex(t[SEAL_RKEY].decode())) if SEAL_RKEY in t else -1
     except BaseException:
         ep.close(force=True)
         raise
-    return Source("ucp" if lane != "ucp-unsafe" else lane, addressing, num_blocks, ep=ep, layer_rkey=layer_rkey)
+    return Source("ucp" if lane != "ucp-unsafe" else lane, addressing, num_blocks, ep=ep, layer_rkey=layer_rkey,
+                  seals=(int(address), int(slots or 0)), seal_rkey=int(seal_rkey))  # fmt: skip
 
 
 def _peek(pid: int, address: int, out: np.ndarray) -> bool:
@@ -315,15 +325,27 @@ def _probe(pid: int, probe: bytes) -> bool:
     return _peek(pid, int(addr), got) and got.tobytes() == want
 
 
-def sealed(src: Source, seal: Seal) -> bool:
-    """Whether the producer's seal table still holds ``seal``'s word (read now, after the data); ``False``
-    whenever it cannot tell (no table, the ``ucp`` lane, a failed read): then the release must confirm."""
+def sealed(src: Source, seal: Seal, timeout_s: float = 1.0) -> bool:
+    """Whether the producer's seal table still holds ``seal``'s word (read now, after the data: over cma
+    one ``process_vm_readv``, over ucp one 8-byte GET, issued after the data's GETs completed); ``False``
+    whenever it cannot tell (no table, a failed read): then the release must confirm."""
     address, slots = src.seals
     slot, word = seal
-    if src.lane != "cma" or not address or not 0 <= slot < slots or not word:
+    if not address or not 0 <= slot < slots or not word:
         return False
     got = np.zeros(1, dtype=np.uint64)
-    return _peek(src.pid, address + 8 * slot, got) and int(got[0]) == word
+    if src.lane == "cma":
+        return _peek(src.pid, address + 8 * slot, got) and int(got[0]) == word
+    if src.seal_rkey < 0 or src.ep is None:
+        return False
+    one = np.ones(1, dtype=np.uint64)
+    try:
+        src.ep.get(np.array([address + 8 * slot], dtype=np.uint64), np.array([got.ctypes.data], dtype=np.uint64),
+                   one * 8, np.array([src.seal_rkey], dtype=np.uint32), timeout_s)  # fmt: skip
+    except (TimeoutError, ConnectionError, ValueError) as exc:
+        log.info("reading the seal over ucp failed (%s): the release confirms", exc)
+        return False
+    return int(got[0]) == word
 
 
 def read(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.ndarray, local_ids: np.ndarray,

@@ -202,7 +202,7 @@ class Puller:
             self._drop(address)  # a dead or restarted producer: handshake anew next time
             self._release(address, src, ok=False)
             return set(op.block_ids)
-        if onesided.sealed(peer.source, src.seal):  # held throughout: count now, release off the load's path
+        if onesided.sealed(peer.source, src.seal, self.options.timeout_s):  # held throughout: count now, release later
             self._releaser.release((address,), src, aborted=False)
             self._count(op, t0, sealed=True)
             return set()
@@ -238,7 +238,7 @@ class Puller:
                 except BaseException:
                     self._drop(address)  # a dead or restarted producer: handshake anew next time
                     raise
-                if onesided.sealed(peer.source, src.seal):
+                if onesided.sealed(peer.source, src.seal, self.options.timeout_s):
                     continue
                 sealed = False
                 if not peer.client.confirm(self.engine.engine_id, src.remote_request_id, grant=src.grant):
