@@ -70,6 +70,9 @@ class BackendBench:
     quick: tuple[str, ...] | None = None  # the baselines of a --quick run (default: all of them)
     # a peer's transfer timed as deployed (its own processes) instead of both engines in the bench's process
     transfer: Callable[[Point, int], Timing] | None = None
+    # every load reads a prompt the consumer never saw (a chain's consumer would otherwise read the faster
+    # tier it promoted into on the first rep, not the shared one a P/D hand-off reads)
+    fresh: bool = False
 
     def chosen(self, quick: bool) -> tuple[str, ...]:
         return self.quick if quick and self.quick is not None else self.baselines
@@ -80,10 +83,18 @@ def _cpu(tmp: Path, point: Point) -> Target:
     return Target(registry.create("cpu", {"capacity_bytes": 3 * point.nbytes + (64 << 20)}))
 
 
+def _chain(tmp: Path, point: Point) -> Target:
+    """The chain as deployed for P/D: each engine's own ``cpu`` tier in front of a shared ``fs`` directory;
+    the consumer's cpu lacks the prompt, so its blocks come from fs (and are promoted into its cpu)."""
+    (tmp / "fs").mkdir(exist_ok=True)
+    tiers = [{"backend": "cpu", "capacity_bytes": 3 * point.nbytes + (64 << 20)}, {"backend": "fs", "path": str(tmp / "fs")}]
+    return Target(registry.create("chain", {"tiers": tiers}))
+
+
 BENCH: dict[str, BackendBench] = {
     "memory": BackendBench(("memcpy",)),
     "cpu": BackendBench(("memcpy",), _cpu),
-    "chain": BackendBench(("memcpy",)),
+    "chain": BackendBench(("file",), _chain, fresh=True),  # cpu then fs; the consumer reads fs: file's medium
     "fs": BackendBench(("file",)),
     # ucxx-wa: the medium the two-sided path rides (kvbridge/bench/ucx_baselines.py); UCX_PEERS: raw cma and ucp
     # GET, NIXL and Mooncake reading the same request (kvbridge/bench/peers.py)
@@ -282,15 +293,15 @@ def time_save_stall(pair: Pair, reps: int) -> StallTiming:
     return StallTiming(stall, Timing(tuple(saves[-len(stall.samples) :])))
 
 
-def load_case(pair: Pair, *, peer: bool, timed: str = "load") -> Case:
+def load_case(pair: Pair, *, peer: bool, timed: str = "load", fresh: bool = False) -> Case:
     """The consumer's side: ``timed="load"`` times the pull, ``timed="plan"`` the scheduler's part
     (lookup + on_allocated + plan_step of every request).
 
-    Stores are saved to once (and loaded from every time); a peer's producer produces for every
-    pull and is settled (released) after it. The first pull is checked bit-exact.
+    Stores are saved to once (and loaded from every time) unless ``fresh``; a peer's producer produces
+    for every pull and is settled (released) after it. The first pull is checked bit-exact.
     """
     cons, prod = pair.cons, pair.prod
-    fixed = None if peer else pair.produce("fixed", 7)
+    fixed = None if peer or fresh else pair.produce("fixed", 7)
     checked = False
 
     def setup(i: int) -> dict[str, Any]:
@@ -513,7 +524,7 @@ class Measurer:
                     for op in ops:
                         self.progress.step(f"{name} {op} {point.label()}")
                         try:
-                            timed.append((op, self._time(op, pair, peer), ""))
+                            timed.append((op, self._time(op, pair, peer, spec.fresh), ""))
                         except Exception as exc:  # noqa: BLE001 - one failing case is a row, not a crash
                             timed.append((op, None, f"not measured: {type(exc).__name__}: {exc}"))
                 finally:
@@ -541,10 +552,10 @@ class Measurer:
             ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
         return self._records(name, "transfer", point, ours, spec.chosen(self.quick), {}, note)
 
-    def _time(self, op: str, pair: Pair, peer: bool) -> Timing | StallTiming:
+    def _time(self, op: str, pair: Pair, peer: bool, fresh: bool = False) -> Timing | StallTiming:
         if op == "save_stall":
             return time_save_stall(pair, self.reps)
-        return (save_case(pair) if op == "save" else load_case(pair, peer=peer)).time(self.reps)
+        return (save_case(pair) if op == "save" else load_case(pair, peer=peer, fresh=fresh)).time(self.reps)
 
     def _sched(self, name: str, point: Point) -> list[Record]:
         try:
