@@ -10,7 +10,8 @@ sharing only a long prefix follows it too; a killed replica is ejected and reque
 With a directory (``--directory redis://...``): each replica's kvbridge connector publishes its own
 prefix cache to a real Redis — one from vLLM's KV-cache events, one at each request's end — and proxies
 that never saw a prompt route it to the replica holding it; a Redis killed mid-run makes them
-least-loaded (no request fails) until it is back and the engines have published again.
+least-loaded (no request fails) until it is back and the engines have published again. One set of
+replicas serves both tests (each replica costs a minute to start), the second test after the first.
 """
 
 from __future__ import annotations
@@ -63,31 +64,56 @@ def kill_replica(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
-@pytest.fixture
-def replicas(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """Two replica servers and a proxy per policy in front of both; their ports."""
+def _publishing(port: int, directory: str, events_port: int | None) -> tuple[str, ...]:
+    """A replica whose kvbridge connector (a small CPU tier) publishes its prefix cache to ``directory``:
+    from vLLM's KV-cache events when ``events_port`` is given, else at each request's end."""
+    extra = {"capacity_bytes": 32 << 20, "directory": directory, "advertise_url": f"http://127.0.0.1:{port}", "directory_ttl_s": 3}
+    more = ["--kv-transfer-config", json.dumps({"kv_connector": "kvbridge.CPUConnector", "kv_role": "kv_both",
+                                                "kv_connector_extra_config": extra})]  # fmt: skip
+    if events_port is not None:
+        more += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                   "endpoint": f"tcp://*:{events_port}", "topic": "kv"})]  # fmt: skip
+    return tuple(more)
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Two publishing replicas (``a`` from vLLM's KV events, ``b`` at each request's end), a Redis, and proxies
+    in front of both: ``cache-aware`` (its own record), ``round-robin``, and ``p1``/``p2`` cache-aware on the
+    directory (``p2`` tokenizes in the proxy: it finds the prefixes only if its ids equal the engines').
+    One set for the module (starting two replicas takes a minute); the last test kills replica ``a``."""
+    if REDIS is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    tmp = tmp_path_factory.mktemp("routing")
+    redis = RedisServer(tmp)
+    redis.start()
     env = engine_env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # real servers: engine core and worker in their own processes
-    ports = {"a": free_port(), "b": free_port(), "cache-aware": free_port(), "round-robin": free_port()}
+    ports = {name: free_port() for name in ("a", "b", "cache-aware", "round-robin", "p1", "p2")}
     procs: list[tuple[subprocess.Popen, Path, int]] = []
-    for name in ("a", "b"):
-        log = tmp_path / f"replica-{name}.log"
-        procs.append((_replica(_server_cmd(tiny_model, ports[name]), log, env), log, ports[name]))
+    for name, events in (("a", free_port()), ("b", None)):
+        log = tmp / f"replica-{name}.log"
+        cmd = _server_cmd(tiny_model, ports[name], _publishing(ports[name], redis.url, events))
+        procs.append((_replica(cmd, log, env), log, ports[name]))
     urls = [arg for name in ("a", "b") for arg in ("--replica", f"http://127.0.0.1:{ports[name]}")]
-    for policy in ("cache-aware", "round-robin"):
-        log = tmp_path / f"proxy-{policy}.log"
-        cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", *urls, "--policy", policy,
-               "--listen", f"127.0.0.1:{ports[policy]}", "--timeout", "120"]  # fmt: skip
-        procs.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env), log, ports[policy]))
+    policies = {"cache-aware": ["--policy", "cache-aware"], "round-robin": ["--policy", "round-robin"],
+                "p1": ["--policy", "cache-aware", "--directory", redis.url],
+                "p2": ["--policy", "cache-aware", "--directory", redis.url, "--tokenizer", str(tiny_model)]}  # fmt: skip
+    for name, args in policies.items():
+        log = tmp / f"proxy-{name}.log"
+        cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", *urls, *args, "--listen", f"127.0.0.1:{ports[name]}",
+               "--timeout", "120"]  # fmt: skip
+        procs.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env), log, ports[name]))
     try:
         deadline = time.monotonic() + SERVER_START_S
         for proc, log, port in procs:
             wait_healthy(port, proc, log, deadline)
-        yield {**ports, "procs": {"a": procs[0][0], "b": procs[1][0]}}
+        yield {**ports, "redis": redis, "procs": {"a": procs[0][0], "b": procs[1][0]}}
     finally:
         stop_all(p for p, _, _ in procs)
         for proc, _, _ in procs[:2]:
             kill_replica(proc)
+        redis.kill()
 
 
 def _routed(port: int, prompt: str) -> tuple[dict, str]:
@@ -132,59 +158,6 @@ def test_cache_aware_sends_a_prompt_back_to_the_replica_that_holds_it(replicas: 
     direct = completion(replicas["a"], text_of(prompts["C"]))["choices"][0]["token_ids"]
     assert c1["choices"][0]["token_ids"] == c2["choices"][0]["token_ids"] == direct[:4]
 
-    # a dead replica is ejected: every request still succeeds, on the one left
-    kill_replica(replicas["procs"]["a"])
-    for name in ("A", "B"):  # one of them was held by the dead replica
-        assert _routed(aware, text_of(prompts[name]))[0]["choices"]  # 200, or _routed fails
-    answer, _ = _routed(aware, text_of(prompts["C"]))
-    assert answer["choices"][0]["token_ids"] == c1["choices"][0]["token_ids"]
-
-
-def _publishing(port: int, directory: str, events_port: int | None) -> tuple[str, ...]:
-    """A replica whose kvbridge connector (a small CPU tier) publishes its prefix cache to ``directory``."""
-    extra = {"capacity_bytes": 32 << 20, "directory": directory, "advertise_url": f"http://127.0.0.1:{port}", "directory_ttl_s": 3}
-    more = ["--kv-transfer-config", json.dumps({"kv_connector": "kvbridge.CPUConnector", "kv_role": "kv_both",
-                                                "kv_connector_extra_config": extra})]  # fmt: skip
-    if events_port is not None:
-        more += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                   "endpoint": f"tcp://*:{events_port}", "topic": "kv"})]  # fmt: skip
-    return tuple(more)
-
-
-@pytest.fixture
-def published(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """Two publishing replicas (``a`` from vLLM's KV events, ``b`` at each request's end), a Redis, and two
-    cache-aware proxies on that directory."""
-    if REDIS is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    redis = RedisServer(tmp_path)
-    redis.start()
-    env = engine_env()
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    ports = {name: free_port() for name in ("a", "b", "p1", "p2")}
-    procs: list[tuple[subprocess.Popen, Path, int]] = []
-    for name, events in (("a", free_port()), ("b", None)):
-        log = tmp_path / f"replica-{name}.log"
-        cmd = _server_cmd(tiny_model, ports[name], _publishing(ports[name], redis.url, events))
-        procs.append((_replica(cmd, log, env), log, ports[name]))
-    urls = [arg for name in ("a", "b") for arg in ("--replica", f"http://127.0.0.1:{ports[name]}")]
-    for name in ("p1", "p2"):  # p2 tokenizes in the proxy: it finds the prefixes only if its ids equal the engines'
-        log = tmp_path / f"proxy-{name}.log"
-        local = ["--tokenizer", str(tiny_model)] if name == "p2" else []
-        cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", *urls, "--policy", "cache-aware", "--directory", redis.url,
-               *local, "--listen", f"127.0.0.1:{ports[name]}", "--timeout", "120"]  # fmt: skip
-        procs.append((subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env), log, ports[name]))
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        for proc, log, port in procs:
-            wait_healthy(port, proc, log, deadline)
-        yield {**ports, "redis": redis, "procs": {"a": procs[0][0], "b": procs[1][0]}, "logs": [log for _, log, _ in procs]}
-    finally:
-        stop_all(p for p, _, _ in procs)
-        for proc, _, _ in procs[:2]:
-            kill_replica(proc)
-        redis.kill()
-
 
 def _holder(redis: RedisServer, tokens: list[int]) -> tuple[str, int]:
     """(the replica URL the directory names for these prompt tokens, leading chunks it holds), or ("", 0)."""
@@ -192,37 +165,42 @@ def _holder(redis: RedisServer, tokens: list[int]) -> tuple[str, int]:
     return (entries[0].holder, entries[0].num_blocks) if entries else ("", 0)
 
 
-def test_cache_aware_from_what_the_replicas_publish(published: dict[str, Any], prompts: dict) -> None:
-    redis, p1, p2 = published["redis"], published["p1"], published["p2"]
-    url = {name: f"http://127.0.0.1:{published[name]}" for name in ("a", "b")}
-    first, why = _routed(p1, text_of(prompts["A"]))
+def test_cache_aware_from_what_the_replicas_publish(replicas: dict[str, Any], prompts: dict) -> None:
+    """Runs after the test above, on the same replicas: new prompts (E, F), which neither has seen."""
+    redis, p1, p2 = replicas["redis"], replicas["p1"], replicas["p2"]
+    url = {name: f"http://127.0.0.1:{replicas[name]}" for name in ("a", "b")}
+    fresh = {"E": prompts["A"][::-1], "F": prompts["B"][::-1]}
+    first, why = _routed(p1, text_of(fresh["E"]))
     assert "no live holder" in why and _cached(first) == 0, why
-    second, _ = _routed(p1, text_of(prompts["B"]))  # a new prefix: least-loaded's tie goes to the other replica
-    # each replica published its prompt's full blocks (A's holder one way, B's the other)
-    held = {name: eventually(lambda n=name: _holder(redis, prompts[n]), 30) for name in ("A", "B")}
-    assert {h for h, _ in held.values()} == set(url.values()), held
-    assert all(n == FULL_TOKENS // 16 for _, n in held.values()), held
+    second, _ = _routed(p1, text_of(fresh["F"]))
+    # whichever replica served each published its prompt's full blocks, under its own URL
+    held = {name: eventually(lambda n=name: _holder(redis, fresh[n]), 30) for name in ("E", "F")}
+    assert all(h in url.values() and n == FULL_TOKENS // 16 for h, n in held.values()), held
 
-    # the other proxy never saw A or B (and tokenizes them itself), and still sends each to the replica that holds it
-    for name in ("A", "B"):
-        again, why = _routed(p2, text_of(prompts[name]))
+    # the other proxy never saw E or F (and tokenizes them itself), and still sends each to the replica that holds it
+    for name in ("E", "F"):
+        again, why = _routed(p2, text_of(fresh[name]))
         assert f"directory: {FULL_TOKENS // 16} of" in why, why
         assert _cached(again) == FULL_TOKENS, f"{name} was not served from the holder's prefix cache: {again['usage']}"
-    assert _routed(p2, text_of(prompts["A"]))[0]["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    assert _routed(p2, text_of(fresh["E"]))[0]["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     assert second["choices"]
 
     # Redis dies: requests succeed, least-loaded, and say why; it comes back empty and the engines publish again
     redis.kill()
-    for name in ("A", "C"):
-        answer, why = _routed(p1, text_of(prompts[name]))
+    for name in ("E", "C"):
+        answer, why = _routed(p1, text_of(fresh.get(name) or prompts[name]))
         assert "directory: unreachable, least-loaded" in why and answer["choices"], why
     redis.start()
-    assert eventually(lambda: _holder(redis, prompts["A"])[0] != "", 30), "the replicas never published again"
-    _, why = _routed(p2, text_of(prompts["A"]))
+    assert eventually(lambda: _holder(redis, fresh["E"])[0] != "", 30), "the replicas never published again"
+    _, why = _routed(p2, text_of(fresh["E"]))
     assert "chunks held" in why, why
 
-    # a replica killed, engine core and all: its keys lapse with its lease (3 s), every request still succeeds
-    kill_replica(published["procs"]["a"])
-    for name in ("A", "B", "C", "D"):
-        assert _routed(p1, text_of(prompts[name]))[0]["choices"]
+    # a replica killed, engine core and all: it is ejected by every proxy, every request still succeeds, and
+    # its keys lapse with its lease (3 s)
+    c_before = _routed(replicas["cache-aware"], text_of(prompts["C"]))[0]["choices"][0]["token_ids"]
+    kill_replica(replicas["procs"]["a"])
+    for port in (replicas["cache-aware"], p1):
+        for name in ("A", "B", "C", "D"):
+            assert _routed(port, text_of(prompts[name]))[0]["choices"]  # 200, or _routed fails
+    assert _routed(replicas["cache-aware"], text_of(prompts["C"]))[0]["choices"][0]["token_ids"] == c_before
     assert eventually(lambda: url["a"] not in open_directory(redis.url).holders(), 15)
