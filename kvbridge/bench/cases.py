@@ -88,7 +88,7 @@ def _chain(tmp: Path, point: Point) -> Target:
     the consumer's cpu lacks the prompt, so its blocks come from fs (and are promoted into its cpu)."""
     (tmp / "fs").mkdir(exist_ok=True)
     tiers = [{"backend": "cpu", "capacity_bytes": 3 * point.nbytes + (64 << 20)}, {"backend": "fs", "path": str(tmp / "fs")}]
-    return Target(registry.create("chain", {"tiers": tiers}))
+    return Target(registry.create("chain", {"tiers": tiers}), registry.create("chain", {"tiers": tiers}))  # two engines
 
 
 BENCH: dict[str, BackendBench] = {
