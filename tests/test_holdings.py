@@ -7,7 +7,6 @@ replicas publishing their own prefix caches in ``tests/vllm/test_routing.py``.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 
@@ -15,17 +14,13 @@ from kvbridge.errors import ConfigError
 from kvbridge.keys import ROUTE_TOKENS, route_keys
 from kvbridge.metadata.holdings import Holdings, check_directory_url, open_directory
 from kvbridge.metadata.server import MetadataServer
-from kvbridge.testing.services import REDIS, RedisServer, eventually
+from kvbridge.testing.services import REDIS, RedisServer, eventually, held_depth
 
 needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server is not installed (apt-get install redis-server)")
 
 
 def tokens(text: str) -> list[int]:
     return list(text.encode())  # what the stand-ins' /tokenize answers
-
-
-def depth(directory: Any, holder: str, keys: list[bytes]) -> int:
-    return next((e.num_blocks for e in directory.lookup(keys) if e.holder == holder), 0)
 
 
 # ---- Holdings ----------------------------------------------------------------------------------------
@@ -40,11 +35,11 @@ def test_holdings_publish_bound_and_drop(redis: RedisServer) -> None:
         held.hold(keys)
         # the bound keeps the 8 most recent: the prefix's first two chunks are gone, so nothing leads
         assert eventually(lambda: reader.holders().get("http://a:1") == 8)
-        assert depth(reader, "http://a:1", keys) == 0
+        assert held_depth(reader, "http://a:1", keys) == 0
         held.hold(keys[:4])
-        assert eventually(lambda: depth(reader, "http://a:1", keys) == 4)
+        assert eventually(lambda: held_depth(reader, "http://a:1", keys) == 4)
         held.drop(keys[2:3])
-        assert eventually(lambda: depth(reader, "http://a:1", keys) == 2)
+        assert eventually(lambda: held_depth(reader, "http://a:1", keys) == 2)
     finally:
         held.close()
     assert "http://a:1" not in reader.holders(), "close takes the holder out"
@@ -56,7 +51,7 @@ def test_a_redis_restarted_empty_gets_everything_again(redis: RedisServer) -> No
     held = Holdings(open_directory(redis.url, timeout_s=0.5), "eng", ttl_s=0.9, flush_s=0.01)
     try:
         held.hold(keys)
-        assert eventually(lambda: depth(open_directory(redis.url), "eng", keys) == len(keys))
+        assert eventually(lambda: held_depth(open_directory(redis.url), "eng", keys) == len(keys))
         redis.kill()
         t0 = time.monotonic()
         held.hold(route_keys(tokens("z" * 64), "m"))  # the caller never waits on a dead directory
@@ -66,7 +61,7 @@ def test_a_redis_restarted_empty_gets_everything_again(redis: RedisServer) -> No
         redis.start()
         reader = open_directory(redis.url)
         # a heartbeat (or the retry) finds the holder unknown and republishes what it holds now
-        assert eventually(lambda: depth(reader, "eng", keys) == len(keys) - 1), reader.holders()
+        assert eventually(lambda: held_depth(reader, "eng", keys) == len(keys) - 1), reader.holders()
     finally:
         held.close()
 
@@ -80,7 +75,7 @@ def test_holdings_in_a_metadata_servers_directory() -> None:
         held = Holdings(open_directory(url), "http://e:2", address="http://e:2", ttl_s=5)
         held.hold(keys)
         reader = open_directory(url)
-        assert eventually(lambda: depth(reader, "http://e:2", keys) == len(keys))
+        assert eventually(lambda: held_depth(reader, "http://e:2", keys) == len(keys))
         assert reader.lookup(keys)[0].address == "http://e:2"
         held.close()
         assert eventually(lambda: not reader.lookup(keys))

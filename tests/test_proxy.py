@@ -19,7 +19,7 @@ from kvbridge import cli
 from kvbridge.errors import ConfigError
 from kvbridge.keys import ROUTE_TOKENS, route_keys
 from kvbridge.metadata.holdings import Holdings, open_directory
-from kvbridge.testing.services import RedisServer, eventually
+from kvbridge.testing.services import RedisServer, eventually, held_depth
 from kvbridge.vllm.proxy import make_server
 
 
@@ -382,10 +382,6 @@ def _tokens(text: str) -> list[int]:
     return list(text.encode())  # what the stand-ins' /tokenize answers
 
 
-def _depth(directory: Any, holder: str, keys: list[bytes]) -> int:
-    return next((e.num_blocks for e in directory.lookup(keys) if e.holder == holder), 0)
-
-
 def _ask_body(port: int, body: dict) -> tuple[str, str]:
     status, data, resp = post(port, "/v1/completions" if "prompt" in body else "/v1/chat/completions", body)
     assert status == 200, data
@@ -414,7 +410,7 @@ def test_the_proxy_routes_to_the_engine_that_published_the_prefix(redis: RedisSe
         # a chat request is tokenized by the engine too (here: its messages), and found the same way
         messages = [{"role": "system", "content": system}]
         engines[a.url].hold(route_keys(_tokens(json.dumps(messages)), "tiny"))
-        assert eventually(lambda: _depth(reader, a.url, route_keys(_tokens(json.dumps(messages)), "tiny")) > 0)
+        assert eventually(lambda: held_depth(reader, a.url, route_keys(_tokens(json.dumps(messages)), "tiny")) > 0)
         where, why = _ask_body(port, {"model": "tiny", "messages": messages})
         assert where == a.url and "directory" in why, why
         # token ids need no tokenizer

@@ -4,6 +4,7 @@
   restarted) at will. Debian's ``redis-server`` package provides the binary (``.ci/run`` installs it);
   :data:`REDIS` is ``None`` where it is missing, and tests that need it skip.
 - :func:`eventually`: the first truthy answer of a check, polled until a deadline.
+- :func:`held_depth`: how many leading keys a block directory says one holder has.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,4 +70,10 @@ def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
         time.sleep(0.02)
 
 
-__all__ = ["REDIS", "RedisServer", "eventually", "free_port"]
+def held_depth(directory: Any, holder: str, keys: Sequence[bytes]) -> int:
+    """The leading run of ``keys`` that ``directory`` (any :class:`~kvbridge.metadata.holdings.DirectoryClient`)
+    says ``holder`` holds; 0 when it names none."""
+    return next((e.num_blocks for e in directory.lookup(keys) if e.holder == holder), 0)
+
+
+__all__ = ["REDIS", "RedisServer", "eventually", "free_port", "held_depth"]

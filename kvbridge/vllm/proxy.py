@@ -27,7 +27,9 @@ the engines publish (:class:`~kvbridge.vllm.routing.DirectoryView`). The proxy t
 and the directory who holds them: two calls on the request path, timed in ``/metrics``
 (``tokenize_seconds``, ``directory_seconds``). ``--tokenizer PATH`` (the engines' tokenizer, loaded with
 ``transformers``) tokenizes completion prompts in the proxy instead, saving the first call (about 5 ms
-on a busy 2-core machine); chat requests still go to ``/tokenize``, where the engine's chat template is. Standard library only, but for the directory's client.
+on a busy 2-core machine); chat requests still go to ``/tokenize``, where the engine's chat template is.
+
+Standard library only, but for the directory's client and ``--tokenizer``'s transformers.
 """
 
 from __future__ import annotations
@@ -172,16 +174,6 @@ def tokenize_request(body: dict[str, Any]) -> dict[str, Any] | list[int] | None:
     if isinstance(prompt, str):
         return {"model": body.get("model", ""), "prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
     return None
-
-
-def route_metric(reason: str) -> str:
-    """The ``/metrics`` counter of a routing decision: its policy, and for cache-aware what decided it
-    (``route_cache_aware_held``, ``..._least_loaded``, ``..._unreachable``)."""
-    policy = reason.split(":", 1)[0].replace("-", "_")
-    if policy != "cache_aware":
-        return f"route_{policy}"
-    outcome = "held" if "chunks held" in reason else "unreachable" if "unreachable" in reason else "least_loaded"
-    return f"route_cache_aware_{outcome}"
 
 
 class Metrics:
@@ -343,7 +335,7 @@ class _Handler(BaseHTTPRequestHandler):
         while len(tried) < len(srv.prefill_servers):
             decision, keys = srv.router.pick(body, exclude=tried, held=held)
             tried.append(decision.index)
-            srv.metrics.count(route_metric(decision.reason))
+            srv.metrics.count(f"route_{decision.outcome}")
             try:
                 answer = srv.prefill_servers[decision.index].post_json(path, prefill_request(body), headers)
             except UpstreamError as exc:
@@ -372,7 +364,7 @@ class _Handler(BaseHTTPRequestHandler):
             decision, keys = router.pick(route_body, exclude=tried, held=held)
             tried.append(decision.index)
             if route_body is not None:
-                self.server.metrics.count(route_metric(decision.reason))
+                self.server.metrics.count(f"route_{decision.outcome}")
             try:
                 resp = pool[decision.index].open("POST", path, payload, {**headers, "Content-Type": "application/json"})
             except UpstreamError as exc:

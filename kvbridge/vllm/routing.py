@@ -81,6 +81,7 @@ class Held:
 class Decision:
     index: int  # which upstream
     reason: str  # e.g. "cache-aware: 12 chunks held", "least-loaded: 0 in flight"
+    outcome: str = "round_robin"  # what decided it, as /metrics counts it (route_<outcome>)
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -178,28 +179,26 @@ class Router:
         lightest = min(live, key=lambda i: (self.states[i].load, self.states[i].kv_usage, (i - self._next) % n))
         self._next += 1
         if held is not None:
-            return self._from_directory(live, lightest, held)
+            return self._cache_aware(live, lightest, held, "cache-aware: directory: ")
         if self.policy == "cache-aware" and keys:
             mine = self.table.holder(keys)
-            if mine is not None and mine[0] in live:
-                best, depth = mine
-                if self.states[best].load - self.states[lightest].load < self.max_imbalance:
-                    return Decision(best, f"cache-aware: {depth} of {len(keys)} chunks held")
-                return Decision(lightest, f"cache-aware: holder {best} too busy, least-loaded")
-            return Decision(lightest, f"cache-aware: no live holder of {len(keys)} chunks, least-loaded")
-        return Decision(lightest, f"least-loaded: {self.states[lightest].load:g} in flight")
+            chunks = {mine[0]: mine[1]} if mine is not None else {}
+            return self._cache_aware(live, lightest, Held(chunks, len(keys)), "cache-aware: ")
+        return Decision(lightest, f"least-loaded: {self.states[lightest].load:g} in flight", "least_loaded")
 
-    def _from_directory(self, live: list[int], lightest: int, held: Held) -> Decision:
-        """The live upstream holding the most leading chunks (ties: the lighter), unless too busy."""
+    def _cache_aware(self, live: list[int], lightest: int, held: Held, why: str) -> Decision:
+        """The live upstream holding the most leading chunks (ties: the lighter), unless it is
+        ``max_imbalance`` busier than ``lightest``; ``why`` says whose record ``held`` is."""
         if held.error:
-            return Decision(lightest, f"cache-aware: directory: {held.error}, least-loaded")
+            outcome = "cache_aware_unreachable" if held.error == "unreachable" else "cache_aware_least_loaded"
+            return Decision(lightest, f"{why}{held.error}, least-loaded", outcome)
         holders = [i for i in live if held.chunks.get(i, 0) > 0]
         if not holders:
-            return Decision(lightest, f"cache-aware: directory: no live holder of {held.total} chunks, least-loaded")
+            return Decision(lightest, f"{why}no live holder of {held.total} chunks, least-loaded", "cache_aware_least_loaded")
         best = max(holders, key=lambda i: (held.chunks[i], -self.states[i].load))
         if self.states[best].load - self.states[lightest].load >= self.max_imbalance:
-            return Decision(lightest, f"cache-aware: directory: holder {best} too busy, least-loaded")
-        return Decision(best, f"cache-aware: directory: {held.chunks[best]} of {held.total} chunks held")
+            return Decision(lightest, f"{why}holder {best} too busy, least-loaded", "cache_aware_least_loaded")
+        return Decision(best, f"{why}{held.chunks[best]} of {held.total} chunks held", "cache_aware_held")
 
     def done(self, decision: Decision, keys: Sequence[bytes], ok: bool) -> None:
         """The request on ``decision.index`` ended; ``ok=False`` ejects that upstream for a while."""

@@ -39,30 +39,8 @@ from kvbridge.testing.services import RedisServer  # noqa: E402
 POLICIES = ("round-robin", "least-loaded", "cache-aware", "directory")
 
 
-def prefix_counters(port: int) -> tuple[float, float]:
-    """(hits, queries) of a replica's prefix cache, in tokens, from its /metrics."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    values = {"hits": 0.0, "queries": 0.0}
-    for line in text.splitlines():
-        for key in values:
-            if line.startswith(f"vllm:prefix_cache_{key}_total"):
-                values[key] += float(line.split()[-1])
-    return values["hits"], values["queries"]
-
-
-def kv_events() -> tuple[str, list[str]]:
-    """A replica's KV-event endpoint, and the server flags that make vLLM publish there."""
-    port = free_port()
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
-    return f"tcp://127.0.0.1:{port}", ["--kv-events-config", json.dumps(events)]
-
-
-def proxy_metrics(port: int) -> dict[str, float]:
+def metrics_page(port: int) -> dict[str, float]:
+    """A server's (a replica's or the proxy's) ``/metrics``, summed over label sets."""
     from kvbridge.vllm.routing import parse_prometheus
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -71,6 +49,19 @@ def proxy_metrics(port: int) -> dict[str, float]:
         return parse_prometheus(conn.getresponse().read().decode())
     finally:
         conn.close()
+
+
+def prefix_counters(port: int) -> tuple[float, float]:
+    """(hits, queries) of a replica's prefix cache, in tokens, from its /metrics."""
+    page = metrics_page(port)
+    return page.get("vllm:prefix_cache_hits_total", 0.0), page.get("vllm:prefix_cache_queries_total", 0.0)
+
+
+def kv_events() -> tuple[str, list[str]]:
+    """A replica's KV-event endpoint, and the server flags that make vLLM publish there."""
+    port = free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    return f"tcp://127.0.0.1:{port}", ["--kv-events-config", json.dumps(events)]
 
 
 def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -> dict[str, Any]:
@@ -113,7 +104,7 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -
         hits = sum(a[0] - b[0] for a, b in zip(after, before))
         queries = sum(a[1] - b[1] for a, b in zip(after, before))
         res["hit_rate"] = hits / queries if queries else None
-        proxy = proxy_metrics(port)  # what routing itself cost per request (the directory policy's two calls)
+        proxy = metrics_page(port)  # what routing itself cost per request (the directory policy's two calls)
         for name in ("tokenize", "directory"):
             n = proxy.get(f"kvbridge_proxy_{name}_seconds_count", 0)
             res[f"{name}_ms"] = 1000 * proxy[f"kvbridge_proxy_{name}_seconds_sum"] / n if n else None

@@ -6,7 +6,6 @@ real metadata server's; a real engine behind a real proxy is in ``test_routing.p
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace as NS
@@ -19,7 +18,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.keys import route_keys
 from kvbridge.metadata.holdings import Holdings, open_directory
 from kvbridge.metadata.server import MetadataServer
-from kvbridge.testing.services import eventually
+from kvbridge.testing.services import eventually, free_port, held_depth
 
 
 @pytest.fixture
@@ -28,10 +27,6 @@ def directory() -> Iterator[str]:
     port = server.start()
     yield f"grpc://127.0.0.1:{port}"
     server.stop()
-
-
-def depth(url: str, holder: str, keys: list[bytes]) -> int:
-    return next((e.num_blocks for e in open_directory(url).lookup(keys) if e.holder == holder), 0)
 
 
 def test_a_finished_request_publishes_its_computed_blocks(vl: Any, directory: str) -> None:
@@ -46,7 +41,7 @@ def test_a_finished_request_publishes_its_computed_blocks(vl: Any, directory: st
         sched.request_finished(req, [1, 2, 3, 4])
         keys = route_keys(prompt, "tiny")
         # every chunk of the 3 computed full blocks, under the advertised URL (no trailing slash)
-        assert eventually(lambda: depth(directory, "http://127.0.0.1:8101", keys) == 3 * 32 // 16)
+        assert eventually(lambda: held_depth(open_directory(directory), "http://127.0.0.1:8101", keys) == 3 * 32 // 16)
         assert open_directory(directory).lookup(keys)[0].address == "http://127.0.0.1:8101"
     finally:
         sched.shutdown()
@@ -69,18 +64,12 @@ def test_publishing_options_are_checked_on_every_role(vl: Any, extra: dict, mess
             vl.c.KVBridgeConnector(config(vl, "kv_both", {"backend": "memory", "name": "x", **extra}), role, KV_CACHE_CONFIG)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_vllms_kv_events_are_followed_block_by_block(directory: str) -> None:
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
     from kvbridge.vllm.publishing import KVEventFeed
 
-    port = _free_port()
+    port = free_port()
     publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", topic="kv")
     holdings = Holdings(open_directory(directory), "http://e:1", address="http://e:1", ttl_s=10)
     feed = KVEventFeed(f"tcp://127.0.0.1:{port}", "kv", holdings, "tiny")
@@ -103,15 +92,15 @@ def test_vllms_kv_events_are_followed_block_by_block(directory: str) -> None:
     try:
         send(stored([11, 12], None, 0))  # two blocks, then a child of the second
         send(stored([13], 12, 2))
-        assert eventually(lambda: depth(directory, "http://e:1", keys) == 6)
+        assert eventually(lambda: held_depth(open_directory(directory), "http://e:1", keys) == 6)
         send(stored([99], 98, 3))  # a parent never seen: cannot be keyed, nothing published
         send(stored([14], 13, 3, salt="s1"))  # a salted block: a router cannot key it
         time.sleep(0.3)
-        assert depth(directory, "http://e:1", keys) == 6 and len(holdings.held()) == 6
+        assert held_depth(open_directory(directory), "http://e:1", keys) == 6 and len(holdings.held()) == 6
         send(BlockRemoved(block_hashes=[12], medium="GPU"))  # evicted: its chunks are taken back
-        assert eventually(lambda: depth(directory, "http://e:1", keys) == 2)
+        assert eventually(lambda: held_depth(open_directory(directory), "http://e:1", keys) == 2)
         send(AllBlocksCleared())
-        assert eventually(lambda: depth(directory, "http://e:1", keys) == 0)
+        assert eventually(lambda: held_depth(open_directory(directory), "http://e:1", keys) == 0)
         assert holdings.held() == []
     finally:
         feed.close()
@@ -126,7 +115,7 @@ def test_kvbridge_publish_follows_an_engine_from_beside_it(directory: str) -> No
 
     from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
 
-    port = _free_port()
+    port = free_port()
     publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}")
     cmd = [sys.executable, "-m", "kvbridge.cli", "publish", "--kv-events", f"tcp://127.0.0.1:{port}", "--directory", directory,
            "--advertise-url", "http://127.0.0.1:8200", "--model", "tiny", "--ttl", "5"]  # fmt: skip
@@ -141,12 +130,12 @@ def test_kvbridge_publish_follows_an_engine_from_beside_it(directory: str) -> No
 
         def published() -> bool:  # its SUB socket joins a moment after it starts: send until it is heard
             publisher.publish(KVEventBatch(ts=time.time(), events=[event]))
-            return depth(directory, "http://127.0.0.1:8200", keys) == 4
+            return held_depth(open_directory(directory), "http://127.0.0.1:8200", keys) == 4
 
         assert eventually(published, 30)
         sidecar.terminate()
         assert sidecar.wait(30) == 0
-        assert eventually(lambda: depth(directory, "http://127.0.0.1:8200", keys) == 0), "a stopped sidecar unpublishes"
+        assert eventually(lambda: held_depth(open_directory(directory), "http://127.0.0.1:8200", keys) == 0), "a stopped sidecar unpublishes"
     finally:
         if sidecar.poll() is None:
             sidecar.kill()
