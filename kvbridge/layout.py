@@ -32,6 +32,7 @@ raises :class:`~kvbridge.errors.LayoutMismatch` on any difference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -171,14 +172,24 @@ class BlockAddressing:
         """Addresses of every piece of ``block_ids`` in every layer, ``uint64 [layers * n * pieces]``,
         layer-major; one vectorized expression (no loop over blocks)."""
         ids = np.asarray(block_ids, dtype=np.uint64).reshape(1, -1, 1)
-        bases = np.asarray(self.bases, dtype=np.uint64).reshape(-1, 1, 1)
-        offsets = np.asarray([o for o, _ in self.pieces], dtype=np.uint64).reshape(1, 1, -1)
-        return (bases + ids * np.uint64(self.block_stride) + offsets).reshape(-1)
+        return (self._bases + ids * np.uint64(self.block_stride) + self._offsets).reshape(-1)
 
     def lengths(self, num_blocks: int) -> np.ndarray:
         """Lengths matching :meth:`addresses` of ``num_blocks`` blocks, ``uint64``."""
-        one = np.asarray([n for _, n in self.pieces], dtype=np.uint64)
-        return np.tile(one, len(self.bases) * num_blocks)
+        return np.tile(self._lengths, len(self.bases) * num_blocks)
+
+    # the tuples as arrays, made once (a load's addressing runs on the engine's thread)
+    @functools.cached_property
+    def _bases(self) -> np.ndarray:
+        return np.asarray(self.bases, dtype=np.uint64).reshape(-1, 1, 1)
+
+    @functools.cached_property
+    def _offsets(self) -> np.ndarray:
+        return np.asarray([o for o, _ in self.pieces], dtype=np.uint64).reshape(1, 1, -1)
+
+    @functools.cached_property
+    def _lengths(self) -> np.ndarray:
+        return np.asarray([n for _, n in self.pieces], dtype=np.uint64)
 
     def to_json(self) -> str:
         return json.dumps({"bases": list(self.bases), "block_stride": self.block_stride,
@@ -392,10 +403,14 @@ class KVLayout:
 
     def check_ids(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
         """Block ids as an index tensor on the KV device; out-of-range ids raise :class:`LayoutError`."""
-        idx = torch.as_tensor(np.asarray(block_ids, dtype=np.int64).reshape(-1), device=self.device)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
-            raise LayoutError(f"block ids outside [0, {self.num_blocks}): min={int(idx.min())} max={int(idx.max())}")
-        return idx
+        return torch.as_tensor(self.check_range(block_ids), device=self.device)
+
+    def check_range(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+        """Block ids as an int64 array, checked like :meth:`check_ids` (numpy: a few us, no device tensor)."""
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise LayoutError(f"block ids outside [0, {self.num_blocks}): min={int(ids.min())} max={int(ids.max())}")
+        return ids
 
     def staging(self, num_blocks: int, *, layers: int | None = None, pin: bool = False) -> torch.Tensor:
         """A contiguous uint8 buffer ``[layers, num_blocks, block_bytes]`` on the KV device (or pinned host)."""

@@ -28,15 +28,30 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from kvbridge.contract import BlockLoad, WorkerReport
 from kvbridge.errors import ClosedError
 
 log = logging.getLogger(__name__)
+
+POSTED_SLICE_S = 0.001  # how often a wait over posted loads and IO-thread work beside them looks at the latter
+
+
+class Running(Protocol):
+    """A transfer running where no Python thread waits on it (e.g. :class:`kvbridge._ucp.CmaRead`)."""
+
+    def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+# what a posted load gives once over: its failed block ids, or the rest of it to run on the IO thread
+Finish = Callable[[], "Iterable[int] | Callable[[], Iterable[int]]"]
 
 
 class Ending(enum.Enum):
@@ -128,7 +143,8 @@ class Transfers:
     ``load(op, fn)`` runs ``fn() -> failed block ids`` (a raise fails every block of ``op``);
     ``save(request_id, fn)`` runs ``fn()`` (a raise is logged and counted by ``on_save_error``, never
     failing the request). ``hold(ids)``: these requests ended; report each in ``finished_saving`` once
-    it has nothing in flight.
+    it has nothing in flight. ``post(op, running, finish)``: a load a backend already started elsewhere
+    (a native thread), finished by whoever polls or waits once it is over.
     """
 
     def __init__(self, name: str, *, threads: int = 1):
@@ -140,6 +156,7 @@ class Transfers:
         self._saved: set[str] = set()
         self._failed: set[int] = set()
         self._held: set[str] = set()
+        self._posted: list[tuple[BlockLoad, Running, Finish]] = []  # loads running off our threads
         self._closed = False
 
     # -- submitting --------------------------------------------------------------------------------
@@ -148,6 +165,17 @@ class Transfers:
 
     def save(self, request_id: str, fn: Callable[[], None], on_error: Callable[[Exception], None] | None = None) -> None:
         self._submit(request_id, lambda: self._run_save(request_id, fn, on_error))
+
+    def post(self, op: BlockLoad, running: Running, finish: Finish) -> None:
+        """A load already running where no Python thread waits on it (a native read on a thread of its
+        own). Once ``running.done()``, ``finish()`` runs on the thread that polls or waits and gives the
+        failed block ids, or a function to run on the IO thread that gives them (what is left needs a
+        network round trip, which the engine's thread must not wait on)."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("transfers are closed")
+            self._busy[op.request_id] += 1
+            self._posted.append((op, running, finish))
 
     def hold(self, request_ids: Iterable[str]) -> None:
         with self._lock:
@@ -180,12 +208,16 @@ class Transfers:
             job()
         finally:
             with self._lock:
-                self._busy[request_id] -= 1
-                if not self._busy[request_id]:
-                    del self._busy[request_id]
-                    if request_id in self._held:
-                        self._held.discard(request_id)
-                        self._saved.add(request_id)
+                self._idle(request_id)
+
+    def _idle(self, request_id: str) -> None:
+        """One transfer of ``request_id`` is over (the lock is held)."""
+        self._busy[request_id] -= 1
+        if not self._busy[request_id]:
+            del self._busy[request_id]
+            if request_id in self._held:
+                self._held.discard(request_id)
+                self._saved.add(request_id)
 
     def _run_load(self, op: BlockLoad, fn: Callable[[], Iterable[int]]) -> None:
         try:
@@ -196,6 +228,28 @@ class Transfers:
         with self._lock:
             self._loaded.add(op.request_id)
             self._failed |= failed
+
+    # -- on the thread that polls or waits ---------------------------------------------------------
+    def _reap(self) -> None:
+        """Finish the posted loads that are over."""
+        with self._lock:
+            if not self._posted:
+                return
+            over = [p for p in self._posted if p[1].done()]
+            self._posted = [p for p in self._posted if not any(p is q for q in over)]
+        for op, _, finish in over:
+            try:
+                out = finish()
+            except Exception as exc:  # every block of the op is lost; the engine recomputes them
+                log.warning("load of %s failed: %s", op.request_id, exc)
+                out = set(op.block_ids)
+            if callable(out):  # the rest on the IO thread; submitted first, so the request never looks idle
+                self._submit(op.request_id, functools.partial(self._run_load, op, out))
+            with self._lock:
+                if not callable(out):
+                    self._loaded.add(op.request_id)
+                    self._failed |= set(out)
+                self._idle(op.request_id)
 
     @staticmethod
     def _run_save(request_id: str, fn: Callable[[], None], on_error: Callable[[Exception], None] | None) -> None:
@@ -209,6 +263,7 @@ class Transfers:
     # -- reporting ---------------------------------------------------------------------------------
     def poll(self, also_saved: Iterable[str] = ()) -> WorkerReport:
         """What finished since the previous poll (``also_saved``: requests the caller releases itself)."""
+        self._reap()
         with self._lock:
             report = WorkerReport(frozenset(self._loaded), frozenset(self._saved.union(also_saved)), frozenset(self._failed))
             self._loaded.clear()
@@ -221,25 +276,27 @@ class Transfers:
         deadline = None if timeout is None else time.monotonic() + timeout
         wanted = None if request_ids is None else set(request_ids)
         while True:
+            self._reap()
             with self._lock:
-                if wanted is None:
-                    futures = set(self._futures)
-                    if not futures:
-                        return True
-                elif not any(self._busy[r] for r in wanted):
+                futures, posted = set(self._futures), [running for _, running, _ in self._posted]
+                if wanted is None and not futures and not posted:
                     return True
-                else:
-                    futures = set(self._futures)
+                if wanted is not None and not any(self._busy[r] for r in wanted):
+                    return True
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
-            concurrent.futures.wait(futures, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
+            if posted:  # with IO-thread work beside it, look at that again every millisecond
+                posted[0].wait(left if not futures else POSTED_SLICE_S if left is None else min(left, POSTED_SLICE_S))
+            else:
+                concurrent.futures.wait(futures, timeout=left, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def close(self) -> None:
         """Finish what is in flight (loads end by their own deadlines), then stop the thread."""
+        self.wait()  # posted loads included: they write into blocks until they are over
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=True)
 
 
-__all__ = ["Ending", "LoadBook", "LoadResult", "Transfers"]
+__all__ = ["Ending", "Finish", "LoadBook", "LoadResult", "Running", "Transfers"]

@@ -73,3 +73,53 @@ def test_transfers_absorb_failures_and_refuse_after_close() -> None:
     t.close()
     with pytest.raises(ClosedError):
         t.save("s", lambda: None)
+
+
+class _Gate:
+    """A transfer running on a thread Transfers does not own (as kvbridge._ucp.CmaRead does): over once set."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.event.wait(timeout)
+
+
+def test_posted_loads_are_finished_by_whoever_polls_or_waits() -> None:
+    t = Transfers("test")
+    sealed, unsealed, broken = _Gate(), _Gate(), _Gate()
+    on: list[str] = []
+    try:
+        t.post(BlockLoad("a", (1, 2)), sealed, lambda: (on.append(threading.current_thread().name), set())[1])
+        # what is left needs the IO thread (a confirming round trip), and fails one block there
+        t.post(BlockLoad("b", (3, 4)), unsealed, lambda: lambda: (on.append(threading.current_thread().name), [4])[1])
+        t.post(BlockLoad("c", (5,)), broken, lambda: (_ for _ in ()).throw(OSError("peer gone")))
+        t.hold(["a", "b"])  # both ended mid-load: held until their loads are over
+        assert t.poll() == WorkerReport() and not t.wait(timeout=0.05)
+        sealed.event.set()
+        assert t.wait(["a"], timeout=5)
+        assert t.poll() == WorkerReport(frozenset({"a"}), frozenset({"a"}))
+        assert on == [threading.current_thread().name], "a posted load is finished on the polling thread"
+        unsealed.event.set()
+        broken.event.set()
+        assert t.wait(timeout=5)
+        assert t.poll() == WorkerReport(frozenset({"b", "c"}), frozenset({"b"}), frozenset({4, 5}))
+        assert on[1].startswith("kvbridge-test"), "the rest of a posted load runs on the IO thread"
+    finally:
+        for gate in (sealed, unsealed, broken):
+            gate.event.set()
+        t.close()
+
+
+def test_close_waits_for_posted_loads() -> None:
+    t = Transfers("test")
+    gate = _Gate()
+    t.post(BlockLoad("r", (1,)), gate, lambda: set())
+    threading.Timer(0.1, gate.event.set).start()
+    t.close()  # returns only once the posted load is over: it writes into the request's blocks until then
+    assert gate.done()
+    with pytest.raises(ClosedError):
+        t.post(BlockLoad("s", (2,)), _Gate(), lambda: set())

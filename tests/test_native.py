@@ -187,6 +187,48 @@ def test_cma_read_more_than_iov_max_and_errors(peer: Peer) -> None:
         ucp.cma_read(2**22 + 12345, remote[:1], laddr[:1], 64)
 
 
+def test_cma_start_reads_on_a_native_thread_then_the_seal(peer: Peer) -> None:
+    """The read that the ucx consumer starts from the engine's thread: the same bytes as cma_read, then
+    the 8-byte word at seal_address (read after the data), and the errors of cma_read from result()."""
+    block, n = 4096, 512
+    ids = scattered(n, block, PUT_AREA // block, seed=7)
+    local = np.zeros(n * block // 8, np.uint64)
+    remote, laddr = descriptors(peer.base, local, ids, block)
+    word_at = 1000  # word i of the peer is i * K: a known nonzero "seal"
+    reads = [ucp.cma_start(peer.pid, remote, laddr, block, seal_address=peer.base + 8 * word_at) for _ in range(3)]
+    for r in reads:  # several queued at once: each over, each with every byte and the word
+        assert r.wait(10.0) and r.done()
+        assert r.result() == (n * block, int(expected(np.array([word_at], np.uint64), 1)[0, 0]))
+    assert np.array_equal(local.reshape(n, -1), expected(ids * (block // 8), block // 8))
+    quiet = ucp.cma_start(peer.pid, remote[:1], laddr[:1], block)  # no seal asked: word 0
+    assert quiet.result() == (block, 0)
+    bad_seal = ucp.cma_start(peer.pid, remote[:1], laddr[:1], block, seal_address=8)  # unreadable: 0, data fine
+    assert bad_seal.result() == (block, 0)
+    unmapped = ucp.cma_start(peer.pid, np.array([8], np.uint64), laddr[:1], 64)
+    assert unmapped.wait(10.0)
+    with pytest.raises(OSError) as e:
+        unmapped.result()
+    assert e.value.errno == 14  # EFAULT, as cma_read
+    with pytest.raises(ProcessLookupError):
+        ucp.cma_start(2**22 + 12345, remote[:1], laddr[:1], 64).result()
+    with pytest.raises(ValueError):  # bad arrays are refused before anything is queued
+        ucp.cma_start(peer.pid, remote, laddr[:3], block)
+    for _ in range(50):  # dropped unwaited: its object waits for the read before letting the arrays go
+        ucp.cma_start(peer.pid, remote, laddr, block)
+
+
+def test_cma_start_wait_times_out_then_completes(peer: Peer) -> None:
+    """wait(t) gives up after t while the read goes on; a later wait sees it over."""
+    block = 2 * MiB
+    ids = np.arange(PUT_AREA // block, dtype=np.uint64)
+    local = np.zeros(PUT_AREA // 8, np.uint64)
+    remote, laddr = descriptors(peer.base, local, ids, block)
+    r = ucp.cma_start(peer.pid, remote, laddr, block)
+    assert r.wait(0.0) in (False, True)  # a zero wait only looks
+    assert r.wait(30.0) and r.result() == (PUT_AREA, 0)
+    assert np.array_equal(local[::4099], expected(np.arange(0, PUT_AREA // 8, 4099, dtype=np.uint64), 1)[:, 0])
+
+
 def test_get_tcp_scattered_bit_exact(peer: Peer, tcp: Any) -> None:
     block, n = 4096, 512
     ids = scattered(n, block, PUT_AREA // block, seed=2)
@@ -327,6 +369,21 @@ def test_peer_killed_during_cma_read() -> None:
     remote, laddr = descriptors(p.base, local, ids, block)
     try:
         err, after = read_until_killed(lambda: ucp.cma_read(p.pid, remote, laddr, block), p.pid, 0.03, 10.0)
+        assert isinstance(err, OSError), err
+        assert after < SLACK_S
+    finally:
+        p.kill()
+
+
+def test_peer_killed_during_cma_start() -> None:
+    p = Peer(BIG)
+    block = 64 * 1024
+    n = BIG // block
+    ids = np.random.default_rng(5).permutation(n).astype(np.uint64)
+    local = np.ones(BIG // 8, np.uint64)
+    remote, laddr = descriptors(p.base, local, ids, block)
+    try:
+        err, after = read_until_killed(lambda: ucp.cma_start(p.pid, remote, laddr, block).result(), p.pid, 0.03, 10.0)
         assert isinstance(err, OSError), err
         assert after < SLACK_S
     finally:

@@ -88,37 +88,57 @@ def test_a_sealed_read_counts_without_a_round_trip(tmp_path: Path, lane: str) ->
         assert consumer.worker.stats.sealed_loads == 1  # type: ignore[attr-defined]
         assert _lane(consumer) == {"cma" if lane == "auto" else "ucp"}
         p.wait_freed()  # the release, sent off the load's path, arrived
+        # the peer is known now: over cma the next read starts from the engine's step, on a native thread
+        again = consumer.prefill("sealed-c2", _tokens(500, 23), p.prefill("sealed2", 500, seed=23), timeout=30)
+        assert again.failed_blocks == [] and torch.equal(again.snapshot[:, :31], p.sent("sealed2"))
+        stats = consumer.worker.stats  # type: ignore[attr-defined]
+        assert (stats.sealed_loads, stats.started_loads) == (2, 1 if lane == "auto" else 0)
+        p.wait_freed()
     finally:
         consumer.close()
         p.close()
 
 
-@pytest.mark.parametrize("lane", ["cma", "ucp"])
+@pytest.mark.parametrize("lane", ["cma", "ucp", "cma-started"])
 def test_a_hold_that_ends_during_the_read_is_not_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lane: str) -> None:
     """The hold ends (another consumer released it) after the blocks were read but before the seal is
     checked: the seal is gone, the confirming release says no, every block fails. The timing is forced
-    (the release runs inside the read); the producer, seal table and release are the real ones."""
+    (the release runs inside the read; ``cma-started``: a known peer, whose read runs on a native thread,
+    loses the hold just before it starts); the producer, seal table and release are the real ones."""
     from kvbridge.connectors.ucx import UcxBackend, UcxOptions, onesided
 
-    options = UcxOptions(registry_dir=str(tmp_path / "reg"), timeout_s=TIMEOUT_S, lane=lane)
+    options = UcxOptions(registry_dir=str(tmp_path / "reg"), timeout_s=TIMEOUT_S, lane=lane.partition("-")[0])
     producer = MiniEngine(UcxBackend(options), engine_id="p", role="producer", seed=1)
     consumer = MiniEngine(UcxBackend(options), engine_id="c", role="consumer", seed=2)
-    real_read = onesided.read
+    real_read, real_start = onesided.read, onesided.start
+
+    def lose_the_hold() -> None:
+        server = producer.worker.server  # type: ignore[attr-defined]
+        assert server._release("thief", "r", True, b"")  # the forced race: a live hold ends here
 
     def read_then_lose_the_hold(*args: Any, **kwargs: Any) -> int:
         n = real_read(*args, **kwargs)
-        server = producer.worker.server  # type: ignore[attr-defined]
-        assert server._release("thief", "r", True, b"")  # the forced race: a live hold ends here
+        lose_the_hold()
         return n
+
+    def lose_the_hold_then_start(*args: Any, **kwargs: Any) -> Any:
+        lose_the_hold()  # the native thread reads the seal right after the data: the race can only come first
+        return real_start(*args, **kwargs)
 
     try:
         tokens = _tokens(4 * 16 + 2, seed=22)
+        if lane == "cma-started":  # a first hand-off makes the producer a known peer
+            warm = producer.prefill("w", _tokens(4 * 16 + 2, seed=24))
+            assert consumer.prefill("w-c", _tokens(4 * 16 + 2, seed=24), warm.finish.transfer_params).failed_blocks == []
+            monkeypatch.setattr(onesided, "start", lose_the_hold_then_start)
         sent = producer.prefill("r", tokens)  # steps after: the hold is sealed
         monkeypatch.setattr(onesided, "read", read_then_lose_the_hold)
         got = consumer.prefill("r-c", tokens, sent.finish.transfer_params)
         assert got.failed_blocks == sorted(got.block_ids[:4]) and got.loaded_blocks == []
-        assert consumer.worker.stats.sealed_loads == 0  # type: ignore[attr-defined]
-        assert _lane(consumer) == {lane}
+        stats = consumer.worker.stats  # type: ignore[attr-defined]
+        assert stats.sealed_loads == (1 if lane == "cma-started" else 0)  # the warm-up's only
+        assert stats.started_loads == (1 if lane == "cma-started" else 0)
+        assert _lane(consumer) == {lane.partition("-")[0]}
     finally:
         producer.close()
         consumer.close()
@@ -158,6 +178,8 @@ def test_stopped_then_killed_producer_confirms_nothing(tmp_path: Path) -> None:
         p.proc.kill()
         p.proc.wait()
         _assert_all_fail_in_time(consumer, "two-d", 14, second)
+        # the first on the native thread; its unconfirmed read dropped the peer, so the second handshakes (refused)
+        assert consumer.worker.stats.started_loads == 1  # type: ignore[attr-defined]
     finally:
         consumer.close()
         p.close()

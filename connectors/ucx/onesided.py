@@ -4,9 +4,11 @@ The producer registers its KV once (:class:`Exporter`); a consumer that passed t
 checks gets, in the handshake, what it needs to address every block: the layout's
 :class:`~kvbridge.layout.BlockAddressing`, the producer's pid and a probe (for ``cma``), and its UCX
 worker address and packed rkeys (for ``ucp``). Per load the consumer derives remote and local
-addresses from block ids with one numpy expression and hands the whole batch to the native module
-(:mod:`kvbridge._ucp`), which merges adjacent descriptors and moves them with the GIL released. No
-staging copy on either side, and the producer's Python does nothing per transfer.
+addresses from block ids with one numpy expression (:func:`batch`) and hands the whole batch to the
+native module (:mod:`kvbridge._ucp`), which merges adjacent descriptors and moves them with the GIL
+released: :func:`read` in the calling thread, or :func:`start` (``cma``) on a native thread that then
+reads the seal word, so a consumer engine can start a read from its step and count it at its next poll.
+No staging copy on either side, and the producer's Python does nothing per transfer.
 
 **Lanes** (option ``lane``):
 
@@ -325,35 +327,65 @@ def _probe(pid: int, probe: bytes) -> bool:
     return _peek(pid, int(addr), got) and got.tobytes() == want
 
 
+def seal_address(src: Source, seal: Seal) -> int:
+    """Where ``seal``'s word lies in the producer (its seal table's slot), or 0 when it cannot be read
+    there (no table, a slot out of range, no seal): then the release must confirm."""
+    address, slots = src.seals
+    slot, word = seal
+    if not address or not 0 <= slot < slots or not word:
+        return 0
+    return address + 8 * slot
+
+
 def sealed(src: Source, seal: Seal, timeout_s: float = 1.0) -> bool:
     """Whether the producer's seal table still holds ``seal``'s word (read now, after the data: over cma
     one ``process_vm_readv``, over ucp one 8-byte GET, issued after the data's GETs completed); ``False``
     whenever it cannot tell (no table, a failed read): then the release must confirm."""
-    address, slots = src.seals
-    slot, word = seal
-    if not address or not 0 <= slot < slots or not word:
+    address = seal_address(src, seal)
+    if not address:
         return False
     got = np.zeros(1, dtype=np.uint64)
     if src.lane == "cma":
-        return _peek(src.pid, address + 8 * slot, got) and int(got[0]) == word
+        return _peek(src.pid, address, got) and int(got[0]) == seal[1]
     if src.seal_rkey < 0 or src.ep is None:
         return False
     one = np.ones(1, dtype=np.uint64)
     try:
-        src.ep.get(np.array([address + 8 * slot], dtype=np.uint64), np.array([got.ctypes.data], dtype=np.uint64),
+        src.ep.get(np.array([address], dtype=np.uint64), np.array([got.ctypes.data], dtype=np.uint64),
                    one * 8, np.array([src.seal_rkey], dtype=np.uint32), timeout_s)  # fmt: skip
     except (TimeoutError, ConnectionError, ValueError) as exc:
         log.info("reading the seal over ucp failed (%s): the release confirms", exc)
         return False
-    return int(got[0]) == word
+    return int(got[0]) == seal[1]
 
 
-def read(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.ndarray, local_ids: np.ndarray,
-         timeout_s: float, layers: range | None = None) -> int:
-    """Read blocks ``remote_ids`` of ``src`` into the local blocks ``local_ids`` (``mine``: ``layout``'s
-    addressing), every layer (or ``layers``: one KV-cache group's), in one batch. Raises on any failure
-    (the caller counts nothing as loaded then)."""
-    layout.check_ids(local_ids)
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One load's descriptors, one entry per piece: its address in the producer, its address here, its
+    length, and (``ucp``) the index of the rkey that covers it."""
+
+    remote: np.ndarray
+    local: np.ndarray
+    lengths: np.ndarray
+    rkeys: np.ndarray | None = None
+
+    @staticmethod
+    def join(parts: list[Batch]) -> Batch:
+        """One batch of several (a load's KV-cache groups, each read into its own layers)."""
+        if len(parts) == 1:
+            return parts[0]
+        rkeys = [p.rkeys for p in parts]
+        return Batch(np.concatenate([p.remote for p in parts]), np.concatenate([p.local for p in parts]),
+                     np.concatenate([p.lengths for p in parts]),
+                     None if any(r is None for r in rkeys) else np.concatenate(rkeys))  # type: ignore[arg-type]
+
+
+def batch(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.ndarray, local_ids: np.ndarray,
+          layers: range | None = None) -> Batch:
+    """The descriptors that read blocks ``remote_ids`` of ``src`` into the local blocks ``local_ids``
+    (``mine``: ``layout``'s addressing), every layer (or ``layers``: one KV-cache group's). Raises
+    before any byte moves on ids outside either KV."""
+    layout.check_range(local_ids)
     # only addresses inside the producer's KV: over tcp its UCX serves whatever address it is asked for
     # (a NULL_BLOCK the producer no longer kept fails here too: a group's block it cannot give)
     if len(remote_ids) and (int(remote_ids.min()) < 0 or int(remote_ids.max()) >= src.num_blocks):
@@ -363,25 +395,41 @@ def read(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.nd
     remote = theirs.addresses(remote_ids)
     local = mine.addresses(local_ids)
     lengths = mine.lengths(len(local_ids))
+    if src.lane == "cma":
+        return Batch(remote, local, lengths)
+    assert src.layer_rkey is not None
+    layer_rkey = src.layer_rkey if layers is None else src.layer_rkey[layers.start : layers.stop]
+    return Batch(remote, local, lengths, np.repeat(layer_rkey, len(remote) // len(theirs.bases)))
+
+
+def read(src: Source, todo: Batch, timeout_s: float) -> int:
+    """Move ``todo`` (see :func:`batch`) in one call; raises on any failure (the caller counts nothing as
+    loaded then)."""
     mod, _ = native.load()
     assert mod is not None
     if src.lane == "cma":
         try:
-            return int(mod.cma_read(src.pid, remote, local, lengths))
+            return int(mod.cma_read(src.pid, todo.remote, todo.local, todo.lengths))
         except OSError as exc:
             raise PeerUnreachable(f"cma read from pid {src.pid}: {exc}") from None
-    assert src.layer_rkey is not None
-    layer_rkey = src.layer_rkey if layers is None else src.layer_rkey[layers.start : layers.stop]
-    per_layer = len(remote) // len(theirs.bases)
-    rkeys = np.repeat(layer_rkey, per_layer)
     t0 = time.monotonic()
     try:
-        return int(src.ep.get(remote, local, lengths, rkeys, timeout_s))
+        return int(src.ep.get(todo.remote, todo.local, todo.lengths, todo.rkeys, timeout_s))
     except TimeoutError:
         raise TransferTimeout(f"one-sided read not done after {time.monotonic() - t0:.1f}s") from None
     except ConnectionError as exc:
         raise PeerUnreachable(f"one-sided read: {exc}") from None
 
 
-__all__ = ["LANES", "NO_SEAL", "SEAL_SLOTS", "Exporter", "Seal", "Seals", "Source", "context", "grant_covers", "new_key",
-           "new_seal", "open_source", "read", "sealed", "sign", "verify"]
+def start(src: Source, todo: Batch, seal: Seal) -> Any:
+    """Start ``todo`` on a native thread of its own (``cma`` only), reading ``seal``'s word after the data:
+    a :class:`kvbridge._ucp.CmaRead` whose ``result()`` is ``(bytes, word)`` (word 0: no seal to read)
+    or raises ``OSError``. Nothing waits here; see :meth:`Puller.start`."""
+    mod, _ = native.load()
+    assert mod is not None and src.lane == "cma"
+    return mod.cma_start(src.pid, todo.remote, todo.local, todo.lengths, seal_address=seal_address(src, seal))
+
+
+__all__ = ["LANES", "NO_SEAL", "SEAL_SLOTS", "Batch", "Exporter", "Seal", "Seals", "Source", "batch", "context",
+           "grant_covers", "new_key", "new_seal", "open_source", "read", "seal_address", "sealed", "sign", "start",
+           "verify"]

@@ -9,6 +9,7 @@ leases, which end a producer's holds, come from the server and join the same rep
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from kvbridge.connectors.ucx import hugepages
 from kvbridge.connectors.ucx import runtime as rtmod
@@ -58,12 +59,24 @@ class UcxWorker(WorkerSide):
         if plan.loads and self._puller is None:
             raise ProtocolError(f"{self.engine.engine_id} is a {self.engine.role}: it cannot load")
         for op in plan.loads:
-            self.transfers.load(op, functools.partial(self._load, op))
+            started = self._puller.start(op) if self._puller is not None else None
+            if started is None:
+                self.transfers.load(op, functools.partial(self._load, op))
+            else:  # running already, on a native thread: no Python thread between the engine and the read
+                running, over = started
+                self.transfers.post(op, running, functools.partial(self._over, over))
         self.transfers.hold(plan.held)
 
     def _load(self, op: BlockLoad) -> set[int]:
         assert self._puller is not None
-        failed = self._puller.load(op)  # never raises: a failure is failed blocks
+        return self._tally(self._puller.load(op))  # never raises: a failure is failed blocks
+
+    def _over(self, over: Callable[[], set[int] | Callable[[], set[int]]]) -> set[int] | Callable[[], set[int]]:
+        """A started load is over (see :meth:`Puller.start`): tallied now, or once its rest has run."""
+        out = over()
+        return self._tally(out) if isinstance(out, set) else lambda: self._tally(out())
+
+    def _tally(self, failed: set[int]) -> set[int]:
         self.stats.add(loads=1, load_failures=int(bool(failed)), failed_blocks=len(failed))
         return failed
 
@@ -73,7 +86,10 @@ class UcxWorker(WorkerSide):
     def poll(self) -> WorkerReport:
         self._check_open()
         released = self.server.take_finished() if self.server is not None else ()
-        return self.transfers.poll(also_saved=released)
+        report = self.transfers.poll(also_saved=released)
+        if self._puller is not None:
+            self._puller.release_reported()
+        return report
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         self._check_open()
