@@ -119,6 +119,8 @@ class Puller:
                 client.close()
                 raise
             self._peers[address] = peer
+            if peer.source is not None:  # its sealed reads' releases go through the releaser
+                self._releaser.prepare(address)
             return peer
 
     def _handshake(self, client: MetadataClient, src: UcxSource, resliced: tuple[LayoutFingerprint, Cut] | None) -> _Peer:
