@@ -14,11 +14,13 @@ Semantics:
   tier, the positions it holds and that tier's own reservation (``BlockLoad.source`` is a
   :class:`ChainLoad`; a save's target a :class:`ChainSave`).
 - **Promotion** (``promote``, default on): a block served by a slower tier is saved into every
-  faster tier from the KV right after the load, on the IO thread. That is safe: the blocks belong
-  to a request that waits for the load and nothing reads or overwrites them until it is reported.
-  Slots in the faster tier are reserved on the scheduler side with the load. A tier whose
-  reservation names its own placement (``target`` not ``None``, as ``cpu``'s slots) is promoted into
-  only when every block of its share arrived; the bytes of a block that failed are never stored.
+  faster tier from the KV, on the IO thread, *after* the load is reported (:meth:`ChainIO.write_back`):
+  the request no longer waits for that second copy. It is a save of the request, so the engine keeps
+  its blocks until it is over (held at the request's end, flushed when preempted; before the next
+  forward pass where a sliding window may give them back). Slots in the faster tier are reserved on
+  the scheduler side with the load. A tier whose reservation names its own placement (``target`` not
+  ``None``, as ``cpu``'s slots) is promoted into only when every block of its share arrived; the bytes
+  of a block that failed are never stored.
 - **Saves**: write-through to every tier (each tier picks which blocks it takes, via its own
   ``reserve_save``). ``write_back`` is not implemented and is refused.
 - **Degradation**: a tier that raises (lookup, reservation, load or save) is left out of that call
@@ -86,6 +88,11 @@ class ChainLoad:
 
     tiers: tuple[TierShare, ...] = ()
     promote: tuple[TierShare, ...] = ()
+
+    @property
+    def writes_back(self) -> bool:
+        """Whether the worker promotes after the load (:meth:`kvbridge.store.StoreIO.write_back`)."""
+        return bool(self.promote)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +236,15 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
             self.tiers[t].stats.add(
                 loads=1, load_blocks=len(arrived), load_bytes=len(arrived) * slot_bytes, failed_blocks=len(bad)
             )
+        return [b for i, b in enumerate(op.block_ids) if i in need]
+
+    def write_back(self, op: BlockLoad, layout: KVLayout, failed: Sequence[int]) -> None:
+        """Promote what a slower tier served into the faster ones (the load was reported already)."""
+        source = op.source if isinstance(op.source, ChainLoad) else ChainLoad()
+        lost = set(failed)
+        slot_bytes = layout.num_layers * layout.block_bytes
         for f, positions, target in source.promote:
-            keep = [i for i in positions if i not in need]
+            keep = [i for i in positions if op.block_ids[i] not in lost]
             if len(keep) < len(positions) and target is not None:
                 continue  # the tier placed every block itself: all or nothing
             sub_save = BlockSave(
@@ -240,7 +254,6 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
                 n = len(sub_save.block_ids)
                 self.stats.add(promoted_blocks=n)
                 self.tiers[f].stats.add(saves=1, save_blocks=n, save_bytes=n * slot_bytes)
-        return [b for i, b in enumerate(op.block_ids) if i in need]
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         plan: tuple[TierShare, ...] = op.target.tiers if isinstance(op.target, ChainSave) else ()

@@ -122,6 +122,12 @@ class StoreIO(abc.ABC):
         """Store blocks ``op.block_ids`` under ``op.keys``. Runs on the IO thread; the blocks stay
         untouched until it returns."""
 
+    def write_back(self, op: BlockLoad, layout: KVLayout, failed: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """After ``op`` was reported loaded: copy its blocks that arrived (not ``failed``) elsewhere, e.g. a
+        chain's promotion into its faster tiers. Runs on the IO thread as a save of ``op``'s request, so
+        the engine keeps those blocks until it is over. Only for a load whose ``source`` says
+        ``writes_back`` (the scheduler then treats the request as saving)."""
+
     def attach(self, layout: KVLayout) -> None:  # noqa: B027 - optional hook
         """The worker registered its KV cache (allocate pools, check geometry)."""
 
@@ -170,6 +176,7 @@ class _Tracked:
     hit_blocks: int = 0  # prefix the store holds
     saved_upto: int = 0  # prompt blocks saved or already present
     saving: bool = False  # a save of it went out: at its end the worker may still be reading its blocks
+    writes_back: bool = False  # its load copies the loaded blocks on after its report (StoreIO.write_back)
     looked_up: bool = False  # the store was asked (the engine may ask again; the answer must not change)
     group_keys: tuple[tuple[bytes, ...], ...] = ()  # per KV-cache group, where the engine has several
 
@@ -267,8 +274,18 @@ class StoreScheduler(SchedulerSide):
         last = -(-(tracked.num_computed + num_external_tokens) // bs)  # ceil
         keys = request.block_keys[first:last]
         source = self.index.reserve_load(request.request_id, keys)
+        self._writes_back(tracked, source)
         self.loads.plan(BlockLoad(request.request_id, tuple(block_ids[first:last]), tuple(keys), source,
                                   layerwise=self.index.layerwise))
+
+    def _writes_back(self, tracked: _Tracked, source: Any) -> None:
+        """A load whose source writes back (:meth:`StoreIO.write_back`) reads the request's blocks after
+        its report: the request is saving (held at its end, flushed when preempted), and where a sliding
+        window may give those blocks back, flushed before the next forward pass."""
+        if getattr(source, "writes_back", False):
+            tracked.writes_back = True
+            if self._groups is not None and any(g.sliding_window for g in self._groups.groups):
+                self._window_saves.add(tracked.info.request_id)
 
     def _plan_grouped_load(self, tracked: _Tracked, block_ids: Sequence[int], total: int) -> None:
         """One load of every group's blocks the engine keeps (group-major), each from its group's key."""
@@ -282,8 +299,9 @@ class StoreScheduler(SchedulerSide):
                     ids.append(mine[i])
                     keys.append(k[i])
         rid = tracked.info.request_id
-        self.loads.plan(BlockLoad(rid, tuple(ids), tuple(keys), self.index.reserve_load(rid, keys),
-                                  layerwise=self.index.layerwise))
+        source = self.index.reserve_load(rid, keys)
+        self._writes_back(tracked, source)
+        self.loads.plan(BlockLoad(rid, tuple(ids), tuple(keys), source, layerwise=self.index.layerwise))
 
     def plan_step(self, scheduled: Sequence[ScheduledRequest]) -> StepPlan:
         self._check_open()
@@ -368,7 +386,7 @@ class StoreScheduler(SchedulerSide):
         self._check_open()
         for rid in request_ids:
             tracked = self._requests.get(rid)
-            if tracked is not None and tracked.saving:
+            if tracked is not None and (tracked.saving or tracked.writes_back):
                 self._flush.append(rid)
 
     def on_finished(self, request: RequestInfo, block_ids: Sequence[int]) -> FinishDecision:
@@ -378,7 +396,7 @@ class StoreScheduler(SchedulerSide):
         ending, _ = self.loads.finish(rid)
         if ending is Ending.IN_FLIGHT:  # blocks still being written: released once the load reports
             return FinishDecision(delay_free=True)
-        if tracked is not None and tracked.saving:
+        if tracked is not None and (tracked.saving or (tracked.writes_back and ending is not Ending.DROPPED)):
             # a save may still be reading the blocks: the worker reports the request once it is over;
             # the save's reservations (cpu slots it writes) last until then
             self._saving_held.append(rid)
@@ -466,6 +484,10 @@ class StoreWorker(WorkerSide):
             log.warning("load of %s failed: %s", op.request_id, exc)
             failed = set(op.block_ids)
         self._count_load(op, layout, len(failed), t0)
+        if getattr(op.source, "writes_back", False) and len(failed) < len(op.block_ids):
+            # queued behind this load, so it runs once the load is reported (and holds the request till over)
+            self.transfers.save(op.request_id, functools.partial(self.io.write_back, op, layout, sorted(failed)),
+                                self._save_failed)
         return failed
 
     def _count_load(self, op: BlockLoad, layout: KVLayout, failed: int, t0: float) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import shutil
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -154,6 +156,43 @@ def test_a_hit_in_a_slower_tier_is_promoted(mem, promote):
         assert torch.equal(again.snapshot[:, :5], e.expected(keys))
         assert [t.stats.load_blocks for t in worker.tiers] == ([5, 5] if promote else [0, 10])
     finally:
+        e.close()
+
+
+def test_promotion_runs_after_the_load_is_reported_and_holds_the_request(mem, monkeypatch):
+    """The load reports as soon as the slower tier's bytes are in; the copy into the faster tier follows
+    on the IO thread (held here by a gate on the cpu tier's real save), and the request's blocks are
+    held until it is over: a request that ends meanwhile is freed only then."""
+    prompt = tokens(5, seed=4)
+    keys = fill(mem, prompt)
+    e = MiniEngine(chain(CPU, {"backend": "memory", "name": mem}))
+    gate = threading.Event()
+    try:
+        sched, worker = stores(e)
+        real_save = worker.tiers[0].save
+        monkeypatch.setattr(worker.tiers[0], "save", lambda *a: (gate.wait(10), real_save(*a))[1])
+        req, ids, n_ext = e.admit("a", prompt)
+        assert n_ext == 5 * 16
+        e.worker.start_step(e.scheduler.plan_step([]))
+        e.worker.finish_step()
+        e.wait_for(lambda r: "a" in r.finished_loading, 10)
+        assert worker.stats.promoted_blocks == 0, "reported before the promotion ran"
+        assert torch.equal(e.read(ids[:5]), e.expected(keys))
+        assert e.finish(req, ids).delay_free, "the promotion still reads the request's blocks"
+        for _ in range(5):
+            e.pump()
+        assert "a" in e.held
+        gate.set()
+        deadline = time.monotonic() + 10
+        while "a" in e.held:
+            assert time.monotonic() < deadline, "never released after the promotion"
+            e.pump()
+        assert worker.stats.promoted_blocks == 5 and sched.tiers[0].contains_prefix(keys) == 5
+        again = e.prefill("b", prompt)
+        assert torch.equal(again.snapshot[:, :5], e.expected(keys))
+        assert [t.stats.load_blocks for t in worker.tiers] == [5, 5]
+    finally:
+        gate.set()
         e.close()
 
 
