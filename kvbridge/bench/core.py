@@ -372,9 +372,9 @@ def run_load(pool: KVPool, plan: StepPlan, reqs: Sequence[RequestInfo], *, timeo
 
 
 def end_load(pool: KVPool, reqs: Sequence[RequestInfo], blocks: Sequence[tuple[int, ...]]) -> None:
-    """Consumer: every request ends."""
-    for req, ids in zip(reqs, blocks):
-        pool.scheduler.on_finished(req, ids)
+    """Consumer: every request ends; what the backend still does with their blocks after the load (a
+    chain's promotion) is over before the next sample, which reuses those blocks (untimed)."""
+    settle(pool, reqs, [pool.scheduler.on_finished(req, ids) for req, ids in zip(reqs, blocks)])
 
 
 def settle(
