@@ -28,9 +28,11 @@ Semantics:
   slots' tags are checked first, then the IO thread copies layer after layer and the forward pass's
   ``wait_layer(i)`` waits only for layer ``i`` (vLLM: ``Lookup(is_async=False)``, no extra engine step
   for the request to wait in). Default off: the load runs a step ahead, asynchronously.
-- Moves are vectorized: one ``index_select``/``index_copy_`` per layer (or one slice copy when the
-  slots are consecutive), never a Python loop over blocks. Loads and saves run on the worker's IO
-  thread, in plan order.
+- Moves are vectorized, never a Python loop over blocks: with a CPU KV, one native call copies every
+  piece of every layer (``kvbridge._ucp``'s descriptor copy, GIL released; addresses from block ids
+  and slots in one numpy expression each); else one ``index_select``/``index_copy_`` per layer (or
+  one slice copy when the slots are consecutive). Loads and saves run on the worker's IO thread, in
+  plan order.
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
+from kvbridge import native
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, KVBridgeError, LayoutError
-from kvbridge.layout import KVLayout, block_words, coalesce
+from kvbridge.layout import BlockAddressing, KVLayout, block_words, coalesce
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -207,6 +211,8 @@ class CpuPool(StoreIO):
         # index_copy_ into rows of int32 runs ~1.3-2x faster than into a 4-d bf16 block view; index_select
         # is the other way round, so gathers keep the layout's typed views)
         self._words: list[tuple[Any, Any]] | None = None
+        # a CPU KV: (native module, the KV's addressing, the pool's) for one memcpy call per load or save
+        self._native: tuple[Any, BlockAddressing, BlockAddressing] | None = None
 
     def attach(self, layout: KVLayout) -> None:
         slot_bytes = layout.num_layers * layout.block_bytes
@@ -221,11 +227,14 @@ class CpuPool(StoreIO):
         self._tags = [None] * num_slots
         if pin:
             self._stream = torch.cuda.Stream(layout.device)
-        self._words = None
+        self._words, self._native = None, None
         if layout.device.type == "cpu":
             kv = [block_words(v, torch.int32) for v in layout.layers]
             if all(w is not None for w in kv):
                 self._words = list(zip(kv, (block_words(self.pool[i], torch.int32) for i in range(layout.num_layers))))
+            mod, _ = native.load()
+            if mod is not None:
+                self._native = (mod, layout.addressing(), _slot_addressing(self.pool, layout.addressing()))
 
     def _pool(self) -> torch.Tensor:
         if self.pool is None:
@@ -271,6 +280,10 @@ class CpuPool(StoreIO):
             self._stream.wait_stream(torch.cuda.default_stream(layout.device))
             with torch.cuda.stream(self._stream):
                 _copy_in(pool, slots[:n], op.block_ids[:n], layout)
+        elif n and self._native is not None:  # one call, GIL released: every piece of every layer
+            mod, kv, pool_at = self._native
+            blocks = layout.check_range(op.block_ids[:n])
+            mod.cma_read(0, pool_at.addresses(np.asarray(slots[:n])), kv.addresses(blocks), kv.lengths(n))
         elif n and self._words is not None:
             ids, slot_runs = layout.check_ids(op.block_ids[:n]), coalesce(slots[:n])
             at = torch.as_tensor(slots[:n])
@@ -292,7 +305,11 @@ class CpuPool(StoreIO):
         for slot in slots:  # invalid until the copy is complete
             self._tags[slot] = None
         slot_runs = coalesce(slots)
-        if self._words is not None and len(slot_runs) > 1:
+        if self._native is not None:  # one call, GIL released
+            mod, kv, pool_at = self._native
+            blocks = layout.check_range(op.block_ids)
+            mod.cma_read(0, kv.addresses(blocks), pool_at.addresses(np.asarray(slots)), kv.lengths(len(blocks)))
+        elif self._words is not None and len(slot_runs) > 1:
             staging, at = layout.gather(op.block_ids), torch.as_tensor(slots)
             for layer, (_, slab) in enumerate(self._words):
                 slab.index_copy_(0, at, _int32_rows(staging[layer]))
@@ -313,6 +330,15 @@ class CpuPool(StoreIO):
 
     def close(self) -> None:
         self.pool = None
+
+
+def _slot_addressing(pool: torch.Tensor, kv: BlockAddressing) -> BlockAddressing:
+    """Where each slot of ``pool`` (``[layers, slots, block_bytes]``) keeps a block: per layer, the KV
+    block's pieces one after another, in the order :meth:`KVLayout.gather` yields them."""
+    lengths = [n for _, n in kv.pieces]
+    offsets = np.cumsum([0, *lengths[:-1]]).tolist()
+    return BlockAddressing(tuple(int(pool[i].data_ptr()) for i in range(pool.shape[0])), pool.shape[2],
+                           tuple(zip(offsets, lengths)))
 
 
 def _int32_rows(blocks: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@
  * request.  Python may describe them only as arrays; posting, merging and waiting happen here with the GIL
  * released, so the per-descriptor cost is a function call, not an interpreter round trip.
  *
- *   cma_read(pid, remote, local, lengths)        process_vm_readv of descriptors (the raw same-host lane)
+ *   cma_read(pid, remote, local, lengths)        process_vm_readv of descriptors (the raw same-host lane);
+ *                                                pid 0: memcpy within this process (a host tier's copies)
  *   cma_start(pid, ..., seal_address=0)         the same on a native thread -> CmaRead (.wait .done .result)
  *   Context(tls=None, progress_thread=False)     one ucp context + one worker, guarded by one mutex
  *     .address .map() .connect() .progress() .close()
@@ -232,6 +233,27 @@ static int cma_copy(pid_t pid, const descs *d, uint64_t *total) {
     }
 }
 
+/* The same descriptors within this process (pid 0): memcpy, no syscall, no page pinning.  A host-memory
+ * tier's gather and scatter (connectors/cpu.py) are such copies between its pool and a CPU KV. */
+static uint64_t local_copy(const descs *d) {
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < d->n; i++) {
+        uint64_t n = vec_u64(&d->lengths, i);
+        memcpy((void *)(uintptr_t)vec_u64(&d->local, i), (const void *)(uintptr_t)vec_u64(&d->remote, i), n);
+        total += n;
+    }
+    return total;
+}
+
+/* pid > 0: process_vm_readv from that process; 0: memcpy here.  Returns 0 or an errno. */
+static int move_descs(pid_t pid, const descs *d, uint64_t *total) {
+    if (pid == 0) {
+        *total = local_copy(d);
+        return 0;
+    }
+    return cma_copy(pid, d, total);
+}
+
 static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"pid", "remote", "local", "lengths", NULL};
     int pid;
@@ -242,7 +264,7 @@ static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
     uint64_t total = 0;
     int err;
     Py_BEGIN_ALLOW_THREADS
-    err = cma_copy((pid_t)pid, &d, &total);
+    err = move_descs((pid_t)pid, &d, &total);
     Py_END_ALLOW_THREADS
     descs_release(&d);
     if (err) {
@@ -285,8 +307,8 @@ static struct {
 
 static void cma_run(CmaReadObject *r) {
     uint64_t total = 0, word = 0;
-    int err = cma_copy(r->pid, &r->d, &total);
-    if (!err && r->seal_address) {
+    int err = move_descs(r->pid, &r->d, &total);
+    if (!err && r->seal_address && r->pid) {
         struct iovec l = {&word, sizeof(word)}, rv = {(void *)(uintptr_t)r->seal_address, sizeof(word)};
         if (process_vm_readv(r->pid, &l, 1, &rv, 1, 0) != (ssize_t)sizeof(word)) word = 0; /* cannot tell */
     }
@@ -1377,7 +1399,8 @@ static PyObject *py_version(PyObject *m, PyObject *unused) {
 
 static PyMethodDef module_methods[] = {
     {"cma_read", (PyCFunction)(void (*)(void))py_cma_read, METH_VARARGS | METH_KEYWORDS,
-     "cma_read(pid, remote, local, lengths) -> bytes copied with process_vm_readv (GIL released)"},
+     "cma_read(pid, remote, local, lengths) -> bytes copied with process_vm_readv (GIL released); pid 0: memcpy "
+     "within this process"},
     {"cma_start", (PyCFunction)(void (*)(void))py_cma_start, METH_VARARGS | METH_KEYWORDS,
      "cma_start(pid, remote, local, lengths, seal_address=0) -> CmaRead: cma_read on a native thread, then "
      "the 8-byte word at seal_address"},

@@ -7,7 +7,7 @@ import pytest
 import torch
 from kvbridge.connectors.cpu import CpuBackend, CpuIndex, CpuOptions, CpuPool, CpuSlots
 
-from kvbridge import registry
+from kvbridge import native, registry
 from kvbridge.contract import BlockLoad, EngineInfo
 from kvbridge.errors import ConfigError, LayoutError
 from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, KVLayout
@@ -202,11 +202,19 @@ def test_counters():
         e.close()
 
 
+@pytest.mark.parametrize("copies", ["native", "torch"])
 @pytest.mark.parametrize("kv_format,dtype", [(BLOCKS_FIRST, torch.bfloat16), (KV_FIRST, torch.float16)])
-def test_scattered_blocks_and_scattered_slots_round_trip_bit_exact(kv_format, dtype):
+def test_scattered_blocks_and_scattered_slots_round_trip_bit_exact(kv_format, dtype, copies, monkeypatch):
+    """Both ways a CPU KV moves: one native descriptor copy (kvbridge._ucp), or torch's per-layer ops
+    where the native module is missing (forced here)."""
+    if copies == "torch":
+        monkeypatch.setattr(native, "load", lambda: (None, "forced off by the test"))
+    elif native.load()[0] is None:
+        pytest.skip(f"kvbridge._ucp: {native.load()[1]}")
     e = engine(8, kv_format=kv_format, dtype=dtype, num_blocks=128)
     try:
         idx, pool = parts(e)
+        assert (pool._native is not None) == (copies == "native")
         first = tokens(8, seed=5, extra=0)
         e.prefill("a", first + [1])  # slots 0..7
         keys = e.request("x", first).block_keys
