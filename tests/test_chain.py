@@ -170,7 +170,12 @@ def test_promotion_runs_after_the_load_is_reported_and_holds_the_request(mem, mo
     try:
         sched, worker = stores(e)
         real_save = worker.tiers[0].save
-        monkeypatch.setattr(worker.tiers[0], "save", lambda *a: (gate.wait(10), real_save(*a))[1])
+
+        def gated_save(*args: Any) -> None:
+            gate.wait(10)
+            real_save(*args)
+
+        monkeypatch.setattr(worker.tiers[0], "save", gated_save)
         req, ids, n_ext = e.admit("a", prompt)
         assert n_ext == 5 * 16
         e.worker.start_step(e.scheduler.plan_step([]))

@@ -360,30 +360,18 @@ def read_until_killed(fn: Any, pid: int, delay: float, limit: float) -> tuple[Ba
 BIG = 256 * MiB
 
 
-def test_peer_killed_during_cma_read() -> None:
+@pytest.mark.parametrize("call", ["cma_read", "cma_start"])
+def test_peer_killed_during_cma_read(call: str) -> None:
     p = Peer(BIG)
     block = 64 * 1024
     n = BIG // block
     ids = np.random.default_rng(4).permutation(n).astype(np.uint64)
     local = np.ones(BIG // 8, np.uint64)
     remote, laddr = descriptors(p.base, local, ids, block)
+    read = {"cma_read": lambda: ucp.cma_read(p.pid, remote, laddr, block),  # here, or on a native thread
+            "cma_start": lambda: ucp.cma_start(p.pid, remote, laddr, block).result()}[call]
     try:
-        err, after = read_until_killed(lambda: ucp.cma_read(p.pid, remote, laddr, block), p.pid, 0.03, 10.0)
-        assert isinstance(err, OSError), err
-        assert after < SLACK_S
-    finally:
-        p.kill()
-
-
-def test_peer_killed_during_cma_start() -> None:
-    p = Peer(BIG)
-    block = 64 * 1024
-    n = BIG // block
-    ids = np.random.default_rng(5).permutation(n).astype(np.uint64)
-    local = np.ones(BIG // 8, np.uint64)
-    remote, laddr = descriptors(p.base, local, ids, block)
-    try:
-        err, after = read_until_killed(lambda: ucp.cma_start(p.pid, remote, laddr, block).result(), p.pid, 0.03, 10.0)
+        err, after = read_until_killed(read, p.pid, 0.03, 10.0)
         assert isinstance(err, OSError), err
         assert after < SLACK_S
     finally:

@@ -229,13 +229,9 @@ class Puller:
         try:
             _, word = running.result()
         except OSError as exc:
-            fail = PeerUnreachable(f"cma read from pid {peer.source.pid if peer.source else 0}: {exc}")
-            return functools.partial(self._read_failed, address, op, src, peer, fail)
-        if word and word == src.seal[1]:  # held throughout: count now, release after the report
-            self._count(op, t0, sealed=True)
-            with self._lock:
-                self._sealed.append((address, src))
-            return set()
+            return functools.partial(self._read_failed, address, op, src, peer, PeerUnreachable(f"cma read: {exc}"))
+        if word and word == src.seal[1]:
+            return self._sealed_read(address, op, src, t0)
         return functools.partial(self._confirm, address, peer, op, src, t0)
 
     def _read(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource) -> set[int]:
@@ -247,12 +243,17 @@ class Puller:
             self._read_blocks(peer.source, op, src)
         except Exception as exc:  # noqa: BLE001 - nothing counts; the producer frees its blocks
             return self._read_failed(address, op, src, peer, exc)
-        if onesided.sealed(peer.source, src.seal, self.options.timeout_s):  # held throughout: count now, release later
-            self._count(op, t0, sealed=True)
-            with self._lock:
-                self._sealed.append((address, src))
-            return set()
+        if onesided.sealed(peer.source, src.seal, self.options.timeout_s):
+            return self._sealed_read(address, op, src, t0)
         return self._confirm(address, peer, op, src, t0)
+
+    def _sealed_read(self, address: str, op: BlockLoad, src: UcxSource, t0: float) -> set[int]:
+        """The seal says the producer held the blocks throughout: they count now, and the release goes
+        out once the engine has taken the report (:meth:`release_reported`)."""
+        self._count(op, t0, sealed=True)
+        with self._lock:
+            self._sealed.append((address, src))
+        return set()
 
     def _read_failed(self, address: str, op: BlockLoad, src: UcxSource, peer: _Peer, exc: Exception) -> set[int]:
         lane = peer.source.lane if peer.source is not None else "?"
