@@ -381,6 +381,8 @@ class StoreScheduler(SchedulerSide):
             failed = [k for b, k in zip(op.block_ids, op.keys) if b in result.failed]
             self.index.release(op.request_id, failed)
             tracked = self._requests.get(op.request_id)
+            if tracked is not None and len(failed) == len(op.keys):
+                tracked.writes_back = False  # nothing arrived: the worker wrote nothing back
             if failed and tracked is not None:  # the engine recomputes from the first failed block: save those again
                 first = (tracked.info.block_keys.index(failed[0]) if self._groups is None
                          else min(self._groups.position(tracked, k) for k in failed))

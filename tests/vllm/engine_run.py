@@ -95,7 +95,13 @@ def main() -> None:
         results = _groups(llm, spec, worker_conn, totals)
     for req in [] if spec.get("batch") or spec.get("groups") else spec["requests"]:
         if req.get("reset_cache"):
-            llm.reset_prefix_cache()
+            # blocks still held for the connector (a save, a chain's promotion) are freed at the engine's next
+            # steps, and vLLM refuses to reset its prefix cache until then (an offline engine takes no step)
+            for _ in range(100):
+                if llm.reset_prefix_cache():
+                    break
+                llm.llm_engine.step()
+                time.sleep(0.01)
         params = req.get("kv_transfer_params") or published.get(req.get("params_of", req["name"]))
         if params and req.get("params_patch"):
             params = {**params, **req["params_patch"]}
