@@ -7,7 +7,6 @@
  *   cma_read(pid, remote, local, lengths)        process_vm_readv of descriptors (the raw same-host lane);
  *                                                pid 0: memcpy within this process (a host tier's copies)
  *   cma_start(pid, ..., seal_address=0)         the same on a native thread -> CmaRead (.wait .done .result)
- *   crc32c(parts, crc=0)                         CRC-32C of buffers, GIL released (fs checks its blocks with it)
  *   Context(tls=None, progress_thread=False)     one ucp context + one worker, guarded by one mutex
  *     .address .map() .connect() .progress() .close()
  *   Region    (.rkey .address .length .memory_type .close())
@@ -1392,130 +1391,6 @@ static PyTypeObject EndpointType = {
     .tp_getset = endpoint_getset,
 };
 
-/* ------------------------------------------------------------------------------------------ crc32c */
-
-/* crc32c(parts, crc=0): the Castagnoli CRC of the concatenated buffers, continuing from `crc` (the same
- * value google_crc32c.extend gives).  Why here: fs checks every block it loads, 32 or more per-layer
- * pieces of a few dozen KiB each, and google_crc32c keeps the GIL for pieces under 1 MiB, so the fs IO
- * threads' checks ran one at a time.  This releases the GIL once per call.
- *
- * x86-64 with SSE4.2: the crc32 instruction on three interleaved lanes of LANE bytes (its latency is three
- * times its throughput), joined by a shift table; elsewhere, and for what is left, slicing by 8. */
-#define CRC_POLY 0x82F63B78u /* reflected Castagnoli polynomial */
-#define LANE 4096            /* bytes per lane of the interleaved loop */
-
-static uint32_t crc_table[8][256];  /* slicing by 8 */
-static uint32_t crc_shift[4][256];  /* a raw CRC state moved past LANE zero bytes, a byte at a time */
-static int crc_hw;                  /* the crc32 instruction is there */
-
-static uint32_t crc_soft(uint32_t s, const uint8_t *p, size_t n) {
-    while (n && ((uintptr_t)p & 7)) s = crc_table[0][(s ^ *p++) & 0xff] ^ (s >> 8), n--;
-    for (; n >= 8; p += 8, n -= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        w ^= s;
-        s = crc_table[7][w & 0xff] ^ crc_table[6][(w >> 8) & 0xff] ^ crc_table[5][(w >> 16) & 0xff] ^
-            crc_table[4][(w >> 24) & 0xff] ^ crc_table[3][(w >> 32) & 0xff] ^ crc_table[2][(w >> 40) & 0xff] ^
-            crc_table[1][(w >> 48) & 0xff] ^ crc_table[0][w >> 56];
-    }
-    while (n--) s = crc_table[0][(s ^ *p++) & 0xff] ^ (s >> 8);
-    return s;
-}
-
-static uint32_t crc_shifted(uint32_t s) {
-    return crc_shift[0][s & 0xff] ^ crc_shift[1][(s >> 8) & 0xff] ^ crc_shift[2][(s >> 16) & 0xff] ^
-           crc_shift[3][s >> 24];
-}
-
-static void crc_init(void) {
-    for (uint32_t b = 0; b < 256; b++) {
-        uint32_t c = b;
-        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (CRC_POLY & (0u - (c & 1)));
-        crc_table[0][b] = c;
-    }
-    for (int t = 1; t < 8; t++)
-        for (int b = 0; b < 256; b++) crc_table[t][b] = (crc_table[t - 1][b] >> 8) ^ crc_table[0][crc_table[t - 1][b] & 0xff];
-    /* the state after LANE zero bytes is linear in the state before: tabulate it per byte of the state */
-    static const uint8_t zeros[LANE];
-    uint32_t basis[32];
-    for (int k = 0; k < 32; k++) basis[k] = crc_soft(1u << k, zeros, LANE);
-    for (int t = 0; t < 4; t++)
-        for (int b = 0; b < 256; b++) {
-            uint32_t v = 0;
-            for (int k = 0; k < 8; k++)
-                if (b & (1 << k)) v ^= basis[8 * t + k];
-            crc_shift[t][b] = v;
-        }
-#if defined(__x86_64__)
-    crc_hw = __builtin_cpu_supports("sse4.2");
-#endif
-}
-
-#if defined(__x86_64__)
-#include <nmmintrin.h>
-__attribute__((target("sse4.2"))) static uint32_t crc_hw_run(uint32_t s, const uint8_t *p, size_t n) {
-    while (n >= 3 * LANE) { /* three independent lanes, then lane 1 moved past lanes 2 and 3 */
-        uint64_t a = s, b = 0, c = 0;
-        for (size_t i = 0; i < LANE; i += 8) {
-            uint64_t x, y, z;
-            memcpy(&x, p + i, 8);
-            memcpy(&y, p + LANE + i, 8);
-            memcpy(&z, p + 2 * LANE + i, 8);
-            a = _mm_crc32_u64(a, x);
-            b = _mm_crc32_u64(b, y);
-            c = _mm_crc32_u64(c, z);
-        }
-        s = crc_shifted(crc_shifted((uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)c;
-        p += 3 * LANE;
-        n -= 3 * LANE;
-    }
-    uint64_t t = s;
-    for (; n >= 8; p += 8, n -= 8) {
-        uint64_t x;
-        memcpy(&x, p, 8);
-        t = _mm_crc32_u64(t, x);
-    }
-    s = (uint32_t)t;
-    while (n--) s = _mm_crc32_u8(s, *p++);
-    return s;
-}
-#endif
-
-static uint32_t crc_run(uint32_t s, const uint8_t *p, size_t n) {
-#if defined(__x86_64__)
-    if (crc_hw) return crc_hw_run(s, p, n);
-#endif
-    return crc_soft(s, p, n);
-}
-
-static PyObject *py_crc32c(PyObject *mod, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"parts", "crc", NULL};
-    PyObject *parts;
-    unsigned int crc = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|I", kwlist, &parts, &crc)) return NULL;
-    PyObject *seq = PySequence_Fast(parts, "crc32c: parts must be a sequence of buffers");
-    if (!seq) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), got = 0;
-    Py_buffer *views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
-    if (!views) {
-        Py_DECREF(seq);
-        return PyErr_NoMemory();
-    }
-    for (; got < n; got++)
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got], PyBUF_C_CONTIGUOUS) < 0) break;
-    uint32_t s = ~(uint32_t)crc;
-    if (got == n) {
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) s = crc_run(s, views[i].buf, (size_t)views[i].len);
-        Py_END_ALLOW_THREADS
-    }
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    Py_DECREF(seq);
-    if (got < n) return NULL; /* GetBuffer's error: not a contiguous buffer */
-    return PyLong_FromUnsignedLong(~s);
-}
-
 static PyObject *py_version(PyObject *m, PyObject *unused) {
     unsigned major, minor, release;
     ucp_get_version(&major, &minor, &release);
@@ -1529,8 +1404,6 @@ static PyMethodDef module_methods[] = {
     {"cma_start", (PyCFunction)(void (*)(void))py_cma_start, METH_VARARGS | METH_KEYWORDS,
      "cma_start(pid, remote, local, lengths, seal_address=0) -> CmaRead: cma_read on a native thread, then "
      "the 8-byte word at seal_address"},
-    {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_VARARGS | METH_KEYWORDS,
-     "crc32c(parts, crc=0) -> the CRC-32C of the concatenated buffers, continuing crc (GIL released)"},
     {"version", py_version, METH_NOARGS, "the loaded libucp's version, (major, minor, release)"},
     {NULL}};
 
@@ -1544,7 +1417,6 @@ PyMODINIT_FUNC PyInit__ucp(void) {
     for (int i = 0; i < 4; i++)
         if (PyType_Ready(types[i]) < 0) return NULL;
     if (pthread_atfork(NULL, NULL, cma_after_fork) != 0) return PyErr_NoMemory();
-    crc_init();
     PyObject *m = PyModule_Create(&module_def);
     if (!m) return NULL;
     for (int i = 0; i < 4; i++)

@@ -77,9 +77,8 @@ fingerprint, so the header has a fixed size::
         24     16  the layout fingerprint's digest (:meth:`LayoutFingerprint.digest`, ASCII hex)
         40     16  blake2b-128 of the block key
 
-**Checksums.** ``crc32`` (zlib: always there, ~3.7 GB/s here) or ``crc32c`` (hardware, ~12-22 GB/s:
-``kvbridge._ucp.crc32c`` where the native module loads, which releases the GIL for a block's pieces,
-else ``google-crc32c``; :func:`have_crc32c` probes once). A writer picks one; a reader verifies
+**Checksums.** ``crc32`` (zlib: always there, ~3.7 GB/s here) or ``crc32c`` (``google-crc32c``,
+hardware, ~22 GB/s; :func:`have_crc32c` probes for it once). A writer picks one; a reader verifies
 whichever kind an object names.
 
 **Checks of a block object** (:meth:`BlockFormat.check`), in this order; each failure raises
@@ -113,7 +112,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from kvbridge import native
 from kvbridge.errors import Corrupted, MissingDependency
 from kvbridge.layout import LayoutFingerprint
 
@@ -136,8 +134,8 @@ def _google_crc32c() -> ModuleType | None:
 
 
 def have_crc32c() -> bool:
-    """Whether ``crc32c`` can be computed here (the native module, or ``pip install google-crc32c``)."""
-    return native.load()[0] is not None or _google_crc32c() is not None
+    """Whether ``crc32c`` can be computed here (``pip install google-crc32c``); probed once."""
+    return _google_crc32c() is not None
 
 
 def default_checksum() -> Literal["crc32", "crc32c"]:
@@ -155,9 +153,6 @@ def checksum(kind: int, parts: Sequence[Any]) -> int:
     """The checksum of the concatenation of ``parts`` (buffers: memoryviews, numpy arrays), no copy."""
     crc = 0
     if kind == CRC32C:
-        mod, _ = native.load()
-        if mod is not None:  # one call, the GIL released (google-crc32c keeps it for pieces under 1 MiB)
-            return int(mod.crc32c(parts))
         lib = _google_crc32c()
         if lib is None:
             raise MissingDependency("crc32c needs google-crc32c: pip install google-crc32c")

@@ -91,22 +91,14 @@ def test_lmcache_header_is_the_documented_layout(kind):
     assert bytes(obj.header) == want.ljust(64, b"\0")
 
 
-@pytest.mark.parametrize("crc32c", ["native", "google-crc32c"])
-def test_checksums_are_the_usual_ones_over_the_concatenation(crc32c, monkeypatch):
-    """CRC-32C from kvbridge._ucp (the GIL released) or from google-crc32c: the same values, over
-    pieces of every alignment and the lengths where the native lanes and tails meet."""
-    if crc32c == "google-crc32c":
-        monkeypatch.setattr(codec.native, "load", lambda: (None, "off"))
-    elif codec.native.load()[0] is None:
-        pytest.skip(f"kvbridge._ucp: {codec.native.load()[1]}")
+def test_checksums_are_the_usual_ones_over_the_concatenation():
     data = np.random.default_rng(1).integers(0, 256, 1000, dtype=np.uint8)
     parts = [memoryview(data[:10]), memoryview(data[10:999]), memoryview(data[999:])]
     assert codec.checksum(codec.CRC32, parts) == zlib.crc32(data.tobytes())
-    google_crc32c = pytest.importorskip("google_crc32c")
-    assert codec.checksum(codec.CRC32C, parts) == google_crc32c.value(data.tobytes())
-    big = np.random.default_rng(2).integers(0, 256, 3 * 4096 * 3 + 4099, dtype=np.uint8)
-    for cut in (0, 1, 7, 4096, 3 * 4096, 3 * 4096 + 5, len(big) - 1):
-        assert codec.checksum(codec.CRC32C, [big[:cut], big[cut:]]) == google_crc32c.value(big.tobytes()), cut
+    if codec.have_crc32c():
+        import google_crc32c
+
+        assert codec.checksum(codec.CRC32C, parts) == google_crc32c.value(data.tobytes())
     with pytest.raises(ValueError, match="kind"):
         codec.checksum(7, parts)
 
@@ -224,7 +216,6 @@ def test_one_formats_object_is_not_the_others():
 def test_crc32c_object_where_crc32c_is_missing_is_foreign(fmt, monkeypatch):
     obj = Obj(FORMATS[fmt], _kind("crc32c"))
     monkeypatch.setattr(codec, "_google_crc32c", lambda: None)
-    monkeypatch.setattr(codec.native, "load", lambda: (None, "off"))  # nor the native one
     assert not codec.have_crc32c() and codec.default_checksum() == "crc32"
     with pytest.raises(Corrupted, match="cannot be verified") as err:
         obj.check()
@@ -423,7 +414,6 @@ def test_v1_object_is_foreign_to_the_chunk_reader():
 def test_crc32c_chunk_where_crc32c_is_missing_is_foreign(monkeypatch):
     obj = Chunk(_kind("crc32c"))
     monkeypatch.setattr(codec, "_google_crc32c", lambda: None)
-    monkeypatch.setattr(codec.native, "load", lambda: (None, "off"))  # nor the native one
     with pytest.raises(Corrupted, match="cannot be verified") as err:
         obj.parse()
     assert not err.value.damaged
