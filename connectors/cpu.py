@@ -271,25 +271,6 @@ class CpuPool(StoreIO):
 
         return n, copy
 
-    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Any, Callable[[], Sequence[int]]] | None:
-        """A CPU KV: the copy starts now, on one of the native module's threads (the engine's step pays
-        for the tag check and two numpy expressions, no thread hand-off); its slots are pinned until the
-        load is released, so no save overwrites them meanwhile."""
-        if self._native is None:
-            return None
-        slots, n = self._valid(op)
-        if not n:
-            return None
-        mod, kv, pool_at = self._native
-        blocks = layout.check_range(op.block_ids[:n])
-        running = mod.cma_start(0, pool_at.addresses(np.asarray(slots[:n])), kv.addresses(blocks), kv.lengths(n))
-
-        def over() -> Sequence[int]:
-            running.result()  # raises only on bad descriptors, which the checks above rule out
-            return op.block_ids[n:]
-
-        return running, over
-
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         pool = self._pool()
         slots, n = self._valid(op)

@@ -185,11 +185,6 @@ class Transfers:
                 else:
                     self._saved.add(rid)
 
-    def idle(self) -> bool:
-        """Whether the IO thread has nothing queued or running (posted loads aside)."""
-        with self._lock:
-            return not self._futures
-
     def busy(self, request_id: str) -> bool:
         with self._lock:
             return bool(self._busy[request_id])

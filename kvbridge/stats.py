@@ -17,7 +17,6 @@ class TransferStats:
     load_seconds: float = 0.0
     load_failures: int = 0
     failed_blocks: int = 0
-    started_loads: int = 0  # loads started from the engine's step on a native thread (no Python IO thread)
     saves: int = 0
     save_blocks: int = 0
     save_bytes: int = 0

@@ -49,7 +49,7 @@ from kvbridge.contract import (
 from kvbridge.errors import KVBridgeError
 from kvbridge.keys import group_key
 from kvbridge.layout import KVLayout
-from kvbridge.lifecycle import Ending, LoadBook, Running, Transfers
+from kvbridge.lifecycle import Ending, LoadBook, Transfers
 from kvbridge.stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -121,13 +121,6 @@ class StoreIO(abc.ABC):
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         """Store blocks ``op.block_ids`` under ``op.keys``. Runs on the IO thread; the blocks stay
         untouched until it returns."""
-
-    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Running, Callable[[], Sequence[int]]] | None:
-        """Optional: start ``op`` from the engine's step where it can run without a Python thread (a
-        native copy), returning it running and the function that, once it is over, gives the block
-        ids that did not arrive (as :meth:`load`). ``None``: the IO thread loads it. Called only while
-        the IO thread has nothing queued, so no earlier save of these keys is still to run."""
-        return None
 
     def write_back(self, op: BlockLoad, layout: KVLayout, failed: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """After ``op`` was reported loaded: copy its blocks that arrived (not ``failed``) elsewhere, e.g. a
@@ -447,32 +440,9 @@ class StoreWorker(WorkerSide):
         for op in plan.loads:
             if op.layerwise and self.layer_transfers is not None:
                 self._start_layerwise(op, layout, self.layer_transfers)
-            elif not self._start(op, layout):
+            else:
                 self.transfers.load(op, functools.partial(self._load, op, layout))
         self.transfers.hold(plan.held)
-
-    def _start(self, op: BlockLoad, layout: KVLayout) -> bool:
-        """Start ``op`` natively from this step (:meth:`StoreIO.start_load`) if the store can and the IO
-        thread is idle; whether it did. A failure to start leaves it to the IO thread, which reports it."""
-        if not self.transfers.idle() or getattr(op.source, "writes_back", False):
-            return False
-        t0 = time.perf_counter()
-        try:
-            started = self.io.start_load(op, layout)
-        except Exception:  # noqa: BLE001 - the IO thread meets the same failure and reports it
-            return False
-        if started is None:
-            return False
-        running, over = started
-        self.stats.add(started_loads=1)
-
-        def counted() -> set[int]:
-            failed = set(over())
-            self._count_load(op, layout, len(failed), t0)
-            return failed
-
-        self.transfers.post(op, running, counted)
-        return True
 
     def _start_layerwise(self, op: BlockLoad, layout: KVLayout, transfers: Transfers) -> None:
         """Check the load now, copy it layer by layer on its own thread; ``wait_layer(i)`` waits for layer i."""

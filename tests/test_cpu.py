@@ -228,7 +228,6 @@ def test_scattered_blocks_and_scattered_slots_round_trip_bit_exact(kv_format, dt
         assert torch.equal(got.snapshot[:, :3], sent.snapshot[:, :3])
         assert torch.equal(got.snapshot[:, :3], e.expected(got.keys[:3]))
         assert pool.stats.load_blocks == 3
-        assert pool.stats.started_loads == (1 if copies == "native" else 0)  # from the step, no IO thread
     finally:
         e.close()
 

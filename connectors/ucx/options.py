@@ -85,6 +85,7 @@ class UcxStats(TransferStats):
     unpulled_handoffs: int = 0  # consumer: hand-offs released without a pull (all cached here, ended first)
     sealed_loads: int = 0  # consumer: one-sided reads confirmed by the producer's seal (no round trip)
     resliced_loads: int = 0  # consumer: loads cut out of a producer of another tensor-parallel size
+    started_loads: int = 0  # consumer: cma reads started from the engine's step on a native thread (Puller.start)
 
 
 __all__ = ["UcxOptions", "UcxStats"]

@@ -97,65 +97,33 @@ def _store_worker(name: str, engine: MiniEngine) -> StoreWorker:
 class _Gate:
     """Holds a store's loads or saves back at the :class:`~kvbridge.store.StoreIO` boundary until
     :meth:`open`: a fake slow medium (a medium that is slow on demand cannot be made real in a unit test);
-    the real load or save runs once the gate opens. ``entered`` is set when the first call reaches it.
-    A load the store starts from the engine's step (:meth:`~kvbridge.store.StoreIO.start_load`) runs
-    at once, but counts as over only once the gate opens."""
+    the real load or save runs once the gate opens. ``entered`` is set when the first call reaches it."""
 
     def __init__(self, io: Any, method: str):
-        self.io = io
+        self.io, self.method = io, method
         self.entered = threading.Event()
         self._open = threading.Event()
-        self._shadowed: dict[str, Any] = {}
-        self._wrap(method, self._held)
-        if method == "load":
-            self._wrap("start_load", self._held_over)
+        real = getattr(io, method)
+        self._shadowed = vars(io).get(method)  # an instance attribute of the io's own (a fault hook's)
 
-    def _wrap(self, method: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        self._shadowed[method] = vars(self.io).get(method)  # an instance attribute of the io's own (a fault hook's)
-        setattr(self.io, method, wrapper(getattr(self.io, method)))
-
-    def _held(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def gated(*args: Any, **kwargs: Any) -> Any:
             self.entered.set()
             if not self._open.wait(30):
-                raise TimeoutError("conformance gate never opened")
+                raise TimeoutError(f"conformance gate on {method} never opened")
             return real(*args, **kwargs)
 
-        return gated
-
-    def _held_over(self, real: Callable[..., Any]) -> Callable[..., Any]:
-        gate = self._open
-
-        class Running:  # the started copy, over only once it is and the gate is open
-            def __init__(self, inner: Any):
-                self.inner = inner
-
-            def done(self) -> bool:
-                return gate.is_set() and bool(self.inner.done())
-
-            def wait(self, timeout: float | None = None) -> bool:
-                return gate.wait(timeout) and bool(self.inner.wait(timeout))
-
-        def gated(*args: Any, **kwargs: Any) -> Any:
-            started = real(*args, **kwargs)
-            if started is None:
-                return None
-            self.entered.set()
-            return Running(started[0]), started[1]
-
-        return gated
+        setattr(io, method, gated)
 
     def open(self) -> None:
         self._open.set()
 
     def remove(self) -> None:
         self._open.set()
-        for method, shadowed in self._shadowed.items():
-            if shadowed is not None:
-                setattr(self.io, method, shadowed)
-            else:
-                with contextlib.suppress(AttributeError):
-                    delattr(self.io, method)
+        if self._shadowed is not None:
+            setattr(self.io, self.method, self._shadowed)
+        else:
+            with contextlib.suppress(AttributeError):
+                delattr(self.io, self.method)
 
 
 @contextlib.contextmanager
