@@ -293,6 +293,7 @@ typedef struct CmaReadObject {
     uint64_t total, word;  /* bytes copied; the seal word (0 when none or unreadable) */
     int err;               /* errno of the data read, or 0 */
     int done;              /* under cma_queue.lock */
+    unsigned long gen;     /* cma_queue.gen when queued: a read of the process before a fork never ends here */
     struct CmaReadObject *next;
 } CmaReadObject;
 
@@ -303,7 +304,18 @@ static struct {
     pthread_cond_t work, over;
     CmaReadObject *head, *tail;
     int threads;
-} cma_queue = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0};
+    unsigned long gen; /* forks so far */
+} cma_queue = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0};
+
+/* Whether `r` is over (the lock held).  A read queued before this process was forked ran, if at all, in
+ * the parent: here it ends as cancelled, so that nothing (its object's dealloc included) waits for it. */
+static int cma_over(CmaReadObject *r) {
+    if (!r->done && r->gen != cma_queue.gen) {
+        r->err = ECANCELED;
+        r->done = 1;
+    }
+    return r->done;
+}
 
 static void cma_run(CmaReadObject *r) {
     uint64_t total = 0, word = 0;
@@ -334,13 +346,15 @@ static void *cma_thread(void *unused) {
     return NULL;
 }
 
-/* A forked child has none of the parent's threads: it starts its own on its first read. */
+/* A forked child has none of the parent's threads: it starts its own on its first read, and the reads
+ * the parent had queued or running end as cancelled (cma_over). */
 static void cma_after_fork(void) {
     pthread_mutex_init(&cma_queue.lock, NULL);
     pthread_cond_init(&cma_queue.work, NULL);
     pthread_cond_init(&cma_queue.over, NULL);
     cma_queue.head = cma_queue.tail = NULL;
     cma_queue.threads = 0;
+    cma_queue.gen++;
 }
 
 /* Queue `r` (the lock held), making the threads on first use.  Returns 0 or an errno. */
@@ -356,6 +370,7 @@ static int cma_enqueue(CmaReadObject *r) {
         cma_queue.threads++;
     }
     r->next = NULL;
+    r->gen = cma_queue.gen;
     if (cma_queue.tail) cma_queue.tail->next = r;
     else cma_queue.head = r;
     cma_queue.tail = r;
@@ -375,7 +390,7 @@ static int cma_wait_done(CmaReadObject *r, double timeout_s) {
     int done;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&cma_queue.lock);
-    while (!r->done) {
+    while (!cma_over(r)) {
         if (timeout_s < 0) pthread_cond_wait(&cma_queue.over, &cma_queue.lock);
         else if (pthread_cond_timedwait(&cma_queue.over, &cma_queue.lock, &until) == ETIMEDOUT) break;
     }
@@ -432,7 +447,7 @@ static PyObject *cma_wait(CmaReadObject *r, PyObject *args) {
 
 static PyObject *cma_done(CmaReadObject *r, PyObject *unused) {
     pthread_mutex_lock(&cma_queue.lock); /* held only for queue updates, never while copying */
-    int done = r->done;
+    int done = cma_over(r);
     pthread_mutex_unlock(&cma_queue.lock);
     return PyBool_FromLong(done);
 }

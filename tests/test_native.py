@@ -527,3 +527,39 @@ def test_throughput_figures(peer: Peer, tcp: Any) -> None:
         "\nkvbridge._ucp, 128 MiB as 2048 x 64 KiB scattered:",
         ", ".join(f"{k} {v:.2f} GB/s" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items()),
     )
+
+
+def test_a_forked_child_never_waits_for_the_parents_reads() -> None:
+    """A read in flight when the process forks ran in the parent: in the child its object ends (cancelled,
+    or done if it was) instead of waiting forever, and the child's own reads run on threads of its own."""
+    import errno
+
+    src = np.arange(64 * MiB // 8, dtype=np.uint64)
+    dst = np.zeros_like(src)
+    chunk = 64 * 1024
+    remote = np.uint64(src.ctypes.data) + np.arange(src.nbytes // chunk, dtype=np.uint64) * np.uint64(chunk)
+    local = np.uint64(dst.ctypes.data) + np.arange(src.nbytes // chunk, dtype=np.uint64) * np.uint64(chunk)
+    running = [ucp.cma_start(0, remote, local, chunk) for _ in range(4)]  # pid 0: memcpy here, ~10 ms each
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit code only
+        code = 0
+        try:
+            for r in running:
+                if not r.wait(5.0):
+                    code = 2  # it would have waited forever
+                    break
+                try:
+                    r.result()
+                except OSError as exc:
+                    code = code if exc.errno == errno.ECANCELED else 3
+            mine = np.zeros(1024, np.uint64)
+            again = ucp.cma_start(0, np.array([src.ctypes.data], np.uint64), np.array([mine.ctypes.data], np.uint64), mine.nbytes)
+            if not again.wait(5.0) or again.result()[0] != mine.nbytes or not np.array_equal(mine, src[:1024]):
+                code = 4
+        finally:
+            os._exit(code)
+    for r in running:
+        assert r.wait(10.0) and r.result()[0] == src.nbytes
+    assert np.array_equal(dst, src)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
