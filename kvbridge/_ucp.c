@@ -6,7 +6,8 @@
  *
  *   cma_read(pid, remote, local, lengths)        process_vm_readv of descriptors (the raw same-host lane);
  *                                                pid 0: memcpy within this process (a host tier's copies)
- *   cma_start(pid, ..., seal_address=0)         the same on a native thread -> CmaRead (.wait .done .result)
+ *   cma_start(pid, ..., seal_address=0)         the same on a native thread -> CmaRead (.wait .done .result);
+ *   cma_drain(timeout_s)                           the caller keeps its destination alive until then
  *   Context(tls=None, progress_thread=False)     one ucp context + one worker, guarded by one mutex
  *     .address .map() .connect() .progress() .close()
  *   Region    (.rkey .address .length .memory_type .close())
@@ -303,9 +304,9 @@ static struct {
     pthread_mutex_t lock;
     pthread_cond_t work, over;
     CmaReadObject *head, *tail;
-    int threads;
-    unsigned long gen; /* forks so far */
-} cma_queue = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0};
+    int threads, busy;  /* threads made; reads they are copying now */
+    unsigned long gen;  /* forks so far */
+} cma_queue = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0};
 
 /* Whether `r` is over (the lock held).  A read queued before this process was forked ran, if at all, in
  * the parent: here it ends as cancelled, so that nothing (its object's dealloc included) waits for it. */
@@ -329,6 +330,7 @@ static void cma_run(CmaReadObject *r) {
     r->word = word;
     r->err = err;
     r->done = 1;
+    cma_queue.busy--;
     pthread_cond_broadcast(&cma_queue.over);
     pthread_mutex_unlock(&cma_queue.lock);
 }
@@ -340,6 +342,7 @@ static void *cma_thread(void *unused) {
         CmaReadObject *r = cma_queue.head;
         cma_queue.head = r->next;
         if (!cma_queue.head) cma_queue.tail = NULL;
+        cma_queue.busy++;
         pthread_mutex_unlock(&cma_queue.lock);
         cma_run(r);
     }
@@ -353,7 +356,7 @@ static void cma_after_fork(void) {
     pthread_cond_init(&cma_queue.work, NULL);
     pthread_cond_init(&cma_queue.over, NULL);
     cma_queue.head = cma_queue.tail = NULL;
-    cma_queue.threads = 0;
+    cma_queue.threads = cma_queue.busy = 0;
     cma_queue.gen++;
 }
 
@@ -430,6 +433,28 @@ static PyObject *py_cma_start(PyObject *mod, PyObject *args, PyObject *kw) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     return (PyObject *)r;
+}
+
+/* cma_drain(timeout_s) -> True once no read is queued or running.  The caller of cma_start keeps the
+ * destination alive until its read is over; at interpreter exit that is not given (objects go in any
+ * order), so kvbridge registers this with atexit. */
+static PyObject *py_cma_drain(PyObject *mod, PyObject *arg) {
+    double t = PyFloat_AsDouble(arg);
+    if (t == -1.0 && PyErr_Occurred()) return NULL;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += (time_t)(t > 0 ? t : 0);
+    until.tv_nsec += (long)((t > 0 ? t - (double)(time_t)t : 0) * 1e9);
+    if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+    int idle;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&cma_queue.lock);
+    while ((cma_queue.head || cma_queue.busy) &&
+           pthread_cond_timedwait(&cma_queue.over, &cma_queue.lock, &until) != ETIMEDOUT) {}
+    idle = !cma_queue.head && !cma_queue.busy;
+    pthread_mutex_unlock(&cma_queue.lock);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(idle);
 }
 
 /* wait(timeout_s=None) -> True once the read is over; False if timeout_s passed first. */
@@ -1419,6 +1444,7 @@ static PyMethodDef module_methods[] = {
     {"cma_start", (PyCFunction)(void (*)(void))py_cma_start, METH_VARARGS | METH_KEYWORDS,
      "cma_start(pid, remote, local, lengths, seal_address=0) -> CmaRead: cma_read on a native thread, then "
      "the 8-byte word at seal_address"},
+    {"cma_drain", py_cma_drain, METH_O, "cma_drain(timeout_s) -> bool: no cma_start read queued or running"},
     {"version", py_version, METH_NOARGS, "the loaded libucp's version, (major, minor, release)"},
     {NULL}};
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import hmac
 import json
@@ -427,7 +428,14 @@ def start(src: Source, todo: Batch, seal: Seal) -> Any:
     or raises ``OSError``. Nothing waits here; see :meth:`Puller.start`."""
     mod, _ = native.load()
     assert mod is not None and src.lane == "cma"
+    _drain_at_exit(mod)
     return mod.cma_start(src.pid, todo.remote, todo.local, todo.lengths, seal_address=seal_address(src, seal))
+
+
+@functools.cache
+def _drain_at_exit(mod: Any) -> None:
+    """Once: at interpreter exit, wait for started reads before the KV they write into can go."""
+    atexit.register(mod.cma_drain, 10.0)
 
 
 __all__ = ["LANES", "NO_SEAL", "SEAL_SLOTS", "Batch", "Exporter", "Seal", "Seals", "Source", "batch", "context",
