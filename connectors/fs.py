@@ -113,7 +113,7 @@ import torch
 
 from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
-from kvbridge.errors import ConfigError, Corrupted, LayoutError, LayoutMismatch, StoreFull
+from kvbridge.errors import ConfigError, Corrupted, LayoutMismatch, StoreFull
 from kvbridge.layout import KVLayout, LayoutFingerprint, block_words, reslice
 from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
@@ -243,12 +243,6 @@ def _aligned(nbytes: int) -> np.ndarray:
     buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
     buf[::_ALIGN] = 0
     return buf
-
-
-def _check_ids(block_ids: Sequence[int], layout: KVLayout) -> None:
-    """:class:`LayoutError` for ids outside the KV (what :meth:`KVLayout.check_ids` checks, without a tensor)."""
-    if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
-        raise LayoutError(f"block ids outside [0, {layout.num_blocks}): min={min(block_ids)} max={max(block_ids)}")
 
 
 def probe_o_direct(path: str) -> None:
@@ -532,7 +526,7 @@ class FsStore(_Tree, StoreIO):
 
     # -- loads ---------------------------------------------------------------------------------------
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
-        _check_ids(op.block_ids, layout)  # ids outside the KV fail the whole load, before any read
+        layout.check_range(op.block_ids)  # ids outside the KV fail the whole load, before any read
         if isinstance(op.source, FsLoad) and op.source.tp != self.tp:
             return op.block_ids[self._load_resliced(op, layout, op.source.tp):]
         reads = self._locate(op.keys, layout.fingerprint)
@@ -719,7 +713,7 @@ class FsStore(_Tree, StoreIO):
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         if not op.keys or self.engine.rank != self.engine.kv_rank:  # rank 0 writes the bytes every rank holds
             return
-        _check_ids(op.block_ids, layout)
+        layout.check_range(op.block_ids)
         target = op.target if isinstance(op.target, FsSave) else FsSave()
         objects = [o for o in self._objects(op, target) if not self._refresh(o.path)]
         if not objects:
