@@ -200,15 +200,15 @@ static int iov_consume(struct iovec *liov, struct iovec *riov, int k, size_t got
     return k - first;
 }
 
-/* Runs with the GIL released.  Pairs share lengths, so each pair is one merged run of descriptors
- * that continue each other on both sides.  Returns 0 or an errno. */
-static int cma_copy(pid_t pid, const descs *d, uint64_t *total) {
+/* Runs with the GIL released: descriptors [lo, hi).  Pairs share lengths, so each pair is one merged run
+ * of descriptors that continue each other on both sides.  Returns 0 or an errno. */
+static int cma_copy(pid_t pid, const descs *d, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total) {
     static __thread struct iovec liov[IOV_MAX], riov[IOV_MAX];
-    Py_ssize_t i = 0;
+    Py_ssize_t i = lo;
     int k = 0;
     *total = 0;
     for (;;) {
-        for (; i < d->n; i++) {
+        for (; i < hi; i++) {
             uint64_t r = vec_u64(&d->remote, i), l = vec_u64(&d->local, i), n = vec_u64(&d->lengths, i);
             if (n == 0) continue;
             if (k > 0 && (uint64_t)(uintptr_t)riov[k - 1].iov_base + riov[k - 1].iov_len == r &&
@@ -236,9 +236,9 @@ static int cma_copy(pid_t pid, const descs *d, uint64_t *total) {
 
 /* The same descriptors within this process (pid 0): memcpy, no syscall, no page pinning.  A host-memory
  * tier's gather and scatter (connectors/cpu.py) are such copies between its pool and a CPU KV. */
-static uint64_t local_copy(const descs *d) {
+static uint64_t local_copy(const descs *d, Py_ssize_t lo, Py_ssize_t hi) {
     uint64_t total = 0;
-    for (Py_ssize_t i = 0; i < d->n; i++) {
+    for (Py_ssize_t i = lo; i < hi; i++) {
         uint64_t n = vec_u64(&d->lengths, i);
         memcpy((void *)(uintptr_t)vec_u64(&d->local, i), (const void *)(uintptr_t)vec_u64(&d->remote, i), n);
         total += n;
@@ -246,13 +246,14 @@ static uint64_t local_copy(const descs *d) {
     return total;
 }
 
-/* pid > 0: process_vm_readv from that process; 0: memcpy here.  Returns 0 or an errno. */
-static int move_descs(pid_t pid, const descs *d, uint64_t *total) {
+/* Descriptors [lo, hi): pid > 0: process_vm_readv from that process; 0: memcpy here.  Returns 0 or an
+ * errno. */
+static int move_descs(pid_t pid, const descs *d, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total) {
     if (pid == 0) {
-        *total = local_copy(d);
+        *total = local_copy(d, lo, hi);
         return 0;
     }
-    return cma_copy(pid, d, total);
+    return cma_copy(pid, d, lo, hi, total);
 }
 
 static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
@@ -265,7 +266,7 @@ static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
     uint64_t total = 0;
     int err;
     Py_BEGIN_ALLOW_THREADS
-    err = move_descs((pid_t)pid, &d, &total);
+    err = move_descs((pid_t)pid, &d, 0, d.n, &total);
     Py_END_ALLOW_THREADS
     descs_release(&d);
     if (err) {
@@ -277,14 +278,28 @@ static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
 
 /* ---------------------------------------------------------------------------------------- CmaRead */
 
-/* cma_start(): the same read on a native thread, so that the caller (an engine's step) neither copies nor
+/* cma_start(): the same read on native threads, so that the caller (an engine's step) neither copies nor
  * waits on a Python thread for the GIL.  Handing a read to a Python thread costs two GIL hand-offs per
  * load (to start it, and to hear it ended), ~0.2 ms here, a quarter of an 8 MiB read; these threads never
  * touch Python.  They are made once and sleep on a queue: a thread made per read started ~0.3 ms after
- * pthread_create on this 2-core VM.  The engine sleeps in wait() with the GIL released.  After every
- * data byte landed, the thread reads the optional 8-byte seal word (a second process_vm_readv: see the
- * seal in connectors/ucx/onesided.py), so the word is never older than the data. */
-#define CMA_THREADS 2 /* reads run at once (cma is memory-bound: more threads than this buy little) */
+ * pthread_create on this 2-core VM.  The engine sleeps in wait() with the GIL released.
+ *
+ * A read of 2 * CMA_PIECE_BYTES or more is cut into pieces of about equal bytes, one per thread, which copy
+ * at once: one thread's copy is bound by its own memory latency, not the machine's bandwidth (measured here:
+ * 128 MiB of scattered 64 KiB blocks at ~7 GB/s on one thread, ~10.5 GB/s on two).  After every data byte
+ * of every piece landed, the thread that ended the last piece reads the optional 8-byte seal word (a
+ * second process_vm_readv: see the seal in connectors/ucx/onesided.py), so the word is never older than
+ * the data. */
+#define CMA_THREADS 2                /* pieces copied at once (memory-bound: more buy little here) */
+#define CMA_PIECE_BYTES (4u << 20)   /* a piece is at least this long: below, the split measured no gain */
+
+struct CmaReadObject;
+
+typedef struct cma_piece {
+    struct CmaReadObject *read;
+    Py_ssize_t lo, hi; /* its descriptors */
+    struct cma_piece *next;
+} cma_piece;
 
 typedef struct CmaReadObject {
     PyObject_HEAD
@@ -292,19 +307,20 @@ typedef struct CmaReadObject {
     pid_t pid;
     uint64_t seal_address; /* 0: no seal to read */
     uint64_t total, word;  /* bytes copied; the seal word (0 when none or unreadable) */
-    int err;               /* errno of the data read, or 0 */
+    int err;               /* errno of the first piece that failed, or 0 */
+    int pending;           /* pieces not over yet; under cma_queue.lock */
     int done;              /* under cma_queue.lock */
     unsigned long gen;     /* cma_queue.gen when queued: a read of the process before a fork never ends here */
-    struct CmaReadObject *next;
+    cma_piece pieces[CMA_THREADS];
 } CmaReadObject;
 
-/* The reads waiting for a thread, first in first out, and the threads' wake-ups.  One lock guards the
+/* The pieces waiting for a thread, first in first out, and the threads' wake-ups.  One lock guards the
  * queue and every read's `done`; `cond` wakes threads (work) and waiters (a read over) alike. */
 static struct {
     pthread_mutex_t lock;
     pthread_cond_t work, over;
-    CmaReadObject *head, *tail;
-    int threads, busy;  /* threads made; reads they are copying now */
+    cma_piece *head, *tail;
+    int threads, busy;  /* threads made; pieces they are copying now */
     unsigned long gen;  /* forks so far */
 } cma_queue = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0};
 
@@ -318,20 +334,33 @@ static int cma_over(CmaReadObject *r) {
     return r->done;
 }
 
-static void cma_run(CmaReadObject *r) {
-    uint64_t total = 0, word = 0;
-    int err = move_descs(r->pid, &r->d, &total);
-    if (!err && r->seal_address && r->pid) {
-        struct iovec l = {&word, sizeof(word)}, rv = {(void *)(uintptr_t)r->seal_address, sizeof(word)};
-        if (process_vm_readv(r->pid, &l, 1, &rv, 1, 0) != (ssize_t)sizeof(word)) word = 0; /* cannot tell */
-    }
+/* The seal word at r->seal_address, or 0 when it cannot be read (the caller then cannot tell). */
+static uint64_t cma_seal(CmaReadObject *r) {
+    uint64_t word = 0;
+    struct iovec l = {&word, sizeof(word)}, rv = {(void *)(uintptr_t)r->seal_address, sizeof(word)};
+    if (process_vm_readv(r->pid, &l, 1, &rv, 1, 0) != (ssize_t)sizeof(word)) word = 0;
+    return word;
+}
+
+static void cma_run(cma_piece *p) {
+    CmaReadObject *r = p->read;
+    uint64_t total = 0;
+    int err = move_descs(r->pid, &r->d, p->lo, p->hi, &total);
     pthread_mutex_lock(&cma_queue.lock);
-    r->total = total;
-    r->word = word;
-    r->err = err;
-    r->done = 1;
+    r->total += total;
+    if (err && !r->err) r->err = err;
+    int last = --r->pending == 0;
+    pthread_mutex_unlock(&cma_queue.lock);
+    /* the last piece is over, so no other thread writes r->err or r->word any more */
+    uint64_t word = last && !r->err && r->seal_address && r->pid ? cma_seal(r) : 0;
+    pthread_mutex_lock(&cma_queue.lock);
+    if (last) {
+        r->word = word;
+        r->done = 1;
+        pthread_cond_broadcast(&cma_queue.over);
+    }
     cma_queue.busy--;
-    pthread_cond_broadcast(&cma_queue.over);
+    if (!cma_queue.busy && !cma_queue.head) pthread_cond_broadcast(&cma_queue.over); /* cma_drain */
     pthread_mutex_unlock(&cma_queue.lock);
 }
 
@@ -339,12 +368,12 @@ static void *cma_thread(void *unused) {
     for (;;) {
         pthread_mutex_lock(&cma_queue.lock);
         while (!cma_queue.head) pthread_cond_wait(&cma_queue.work, &cma_queue.lock);
-        CmaReadObject *r = cma_queue.head;
-        cma_queue.head = r->next;
+        cma_piece *p = cma_queue.head;
+        cma_queue.head = p->next;
         if (!cma_queue.head) cma_queue.tail = NULL;
         cma_queue.busy++;
         pthread_mutex_unlock(&cma_queue.lock);
-        cma_run(r);
+        cma_run(p);
     }
     return NULL;
 }
@@ -360,7 +389,27 @@ static void cma_after_fork(void) {
     cma_queue.gen++;
 }
 
-/* Queue `r` (the lock held), making the threads on first use.  Returns 0 or an errno. */
+/* Cut r's descriptors into pieces of about equal bytes (whole descriptors each; each at least
+ * CMA_PIECE_BYTES, at most one per thread that exists).  Returns how many. */
+static int cma_cut(CmaReadObject *r, int threads) {
+    const descs *d = &r->d;
+    uint64_t bytes = 0;
+    for (Py_ssize_t i = 0; i < d->n; i++) bytes += vec_u64(&d->lengths, i);
+    uint64_t most = bytes / CMA_PIECE_BYTES;
+    int n = most < 1 ? 1 : most < (uint64_t)threads ? (int)most : threads;
+    Py_ssize_t i = 0;
+    uint64_t sum = 0;
+    for (int k = 0; k < n; k++) {
+        r->pieces[k] = (cma_piece){r, i, d->n, NULL};
+        if (k == n - 1) break;
+        uint64_t goal = bytes / (uint64_t)n * (uint64_t)(k + 1);
+        while (i < d->n && sum < goal) sum += vec_u64(&d->lengths, i++);
+        r->pieces[k].hi = i;
+    }
+    return n;
+}
+
+/* Queue r's pieces (the lock held), making the threads on first use.  Returns 0 or an errno. */
 static int cma_enqueue(CmaReadObject *r) {
     while (cma_queue.threads < CMA_THREADS) {
         pthread_t t;
@@ -372,12 +421,15 @@ static int cma_enqueue(CmaReadObject *r) {
         pthread_detach(t);
         cma_queue.threads++;
     }
-    r->next = NULL;
     r->gen = cma_queue.gen;
-    if (cma_queue.tail) cma_queue.tail->next = r;
-    else cma_queue.head = r;
-    cma_queue.tail = r;
-    pthread_cond_signal(&cma_queue.work);
+    r->pending = cma_cut(r, cma_queue.threads);
+    for (int k = 0; k < r->pending; k++) {
+        cma_piece *p = &r->pieces[k];
+        if (cma_queue.tail) cma_queue.tail->next = p;
+        else cma_queue.head = p;
+        cma_queue.tail = p;
+    }
+    pthread_cond_broadcast(&cma_queue.work);
     return 0;
 }
 

@@ -217,6 +217,32 @@ def test_cma_start_reads_on_a_native_thread_then_the_seal(peer: Peer) -> None:
         ucp.cma_start(peer.pid, remote, laddr, block)
 
 
+def test_cma_start_cuts_a_long_read_between_its_threads(peer: Peer) -> None:
+    """A read of 8 MiB or more runs as two pieces at once: every byte lands, the seal word is read once
+    both are over, and a piece that fails fails the read (whichever half it is)."""
+    block, n = 64 * 1024, 160  # 10 MiB in uneven pieces' worth of descriptors, scattered
+    ids = scattered(n, block, PUT_AREA // block, seed=11)
+    local = np.zeros(n * block // 8, np.uint64)
+    remote, laddr = descriptors(peer.base, local, ids, block)
+    lengths = np.full(n, block, np.uint64)
+    lengths[::7] //= 2  # pieces cut by bytes, not by count
+    seal = int(expected(np.array([77], np.uint64), 1)[0, 0])
+    assert ucp.cma_start(peer.pid, remote, laddr, lengths, seal_address=peer.base + 8 * 77).result() == (
+        int(lengths.sum()), seal)
+    got = local.reshape(n, -1)
+    want = expected(ids * (block // 8), block // 8)
+    for i in range(n):
+        half = int(lengths[i]) // 8
+        assert np.array_equal(got[i, :half], want[i, :half]), i
+    for bad in (3, n - 3):  # an unreadable descriptor in the first piece, then in the second
+        wrong = remote.copy()
+        wrong[bad] = 8
+        r = ucp.cma_start(peer.pid, wrong, laddr, block, seal_address=peer.base + 8 * 77)
+        with pytest.raises(OSError) as e:
+            r.result()
+        assert e.value.errno == 14  # EFAULT
+
+
 def test_cma_start_wait_times_out_then_completes(peer: Peer) -> None:
     """wait(t) gives up after t while the read goes on; a later wait sees it over."""
     block = 2 * MiB

@@ -204,7 +204,16 @@ def _cma(spec: dict[str, Any], peer: dict[str, Any], local: np.ndarray) -> tuple
             if got != want:
                 raise AssertionError(f"cma_read moved {got} of {want} bytes")
 
-        return read, f"kvbridge._ucp.cma_read, {len(remote)} descriptors{', 2 MiB pages' if spec.get('huge_pages') else ''}"
+        pages = ", 2 MiB pages" if spec.get("huge_pages") else ""
+        if spec.get("threads", 1) > 1:  # cma_start cuts a read of 8 MiB or more over its two threads
+
+            def read_cut() -> None:
+                got = mod.cma_start(peer["pid"], remote, laddr, lengths).result()[0]
+                if got != want:
+                    raise AssertionError(f"cma_start moved {got} of {want} bytes")
+
+            return read_cut, f"kvbridge._ucp.cma_start (2 threads from 8 MiB), {len(remote)} descriptors{pages}"
+        return read, f"kvbridge._ucp.cma_read, {len(remote)} descriptors{pages}"
     if not spec.get("allow_fallback"):
         raise SystemExit(f"kvbridge._ucp not loaded: {why}")
     return _ctypes_pvr(peer["pid"], remote, laddr, lengths), f"ctypes process_vm_readv (kvbridge._ucp: {why})"

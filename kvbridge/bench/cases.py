@@ -101,7 +101,7 @@ BENCH: dict[str, BackendBench] = {
     # --quick keeps the raw medium of the default lane and the peer a user would pick (~3 s of the ~13 s per point).
     # The transfer is timed with the producer in a child process, as deployed and as the peers run: with both
     # engines in one process the same scattered 128 MiB read measured 3.8-4.2 GB/s, in two 4.7.
-    "ucx": BackendBench(("ucxx-wa", "ucxx", "tcp", *UCX_PEERS), quick=("cma", "nixl:sm"),
+    "ucx": BackendBench(("ucxx-wa", "ucxx", "tcp", *UCX_PEERS), quick=("cma", "cma:2t", "nixl:sm"),
                         transfer=_ucx_baselines.two_processes),
 }
 DEFAULT_BENCH = BackendBench()

@@ -19,6 +19,10 @@ so ``ratio`` is ucx/peer in throughput):
 - ``cma``: ``process_vm_readv`` of the request's descriptors through ``kvbridge._ucp.cma_read`` (adjacent
   descriptors merged), the call kvbridge's own same-host lane makes: its raw medium. Without the native
   module, a ctypes ``process_vm_readv`` (the note says so).
+- ``cma:2t``: the same descriptors cut in two pieces of equal bytes, read by two threads at once
+  (``kvbridge._ucp.cma_start``, which cuts a read of 8 MiB or more so): the medium of the same-host lane
+  as kvbridge reads it. On a machine with free cores one thread's copy is bound by its memory latency,
+  so two copy more (here ~1.5x at 128 MiB); ``cma`` stays the strict single-thread medium.
 - ``ucp-get:tcp``, ``ucp-get:sm``: one ucp GET of the request's bytes as *one buffer* through
   ``kvbridge._ucp`` (producer ``Context(progress_thread=True)``, local memory mapped), over UCX's tcp with
   peer error handling (the ``ucp`` lane's medium), and over UCX's shared-memory transports with error
@@ -81,11 +85,12 @@ class Peer:
     progress_thread: bool = False
     one_buffer: bool = False
     huge_pages: bool = False  # both buffers on 2 MiB pages, as kvbridge's ucx worker backs its KV
+    threads: int = 1  # cma: threads copying pieces of the request at once
 
     def missing(self) -> str | None:
         """Why this row cannot run here (a package or module absent), or None. Imports nothing heavy."""
         if self.system in ("cma", "ucp"):
-            if self.system == "cma":
+            if self.system == "cma" and self.threads == 1:
                 return None  # without kvbridge._ucp the child falls back to ctypes, and says so
             from kvbridge import native
 
@@ -106,6 +111,7 @@ PEERS: dict[str, Peer] = {
     # the raw medium of kvbridge's same-host lane, on the pages kvbridge reads (huge); the other rows run
     # as their systems allocate (a user's torch-allocated KV: small pages)
     "cma": Peer("cma", huge_pages=True),
+    "cma:2t": Peer("cma", huge_pages=True, threads=2),
     "ucp-get:tcp": Peer("ucp", "tcp", error_handling=True, one_buffer=True),
     "ucp-get:sm": Peer("ucp", "sm", error_handling=False, one_buffer=True),
     "nixl:tcp": Peer("nixl", "tcp", error_handling=True, progress_thread=False),
