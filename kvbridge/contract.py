@@ -55,17 +55,33 @@ NULL_BLOCK = -1  # in a grouped engine's block ids: the group keeps no block at 
 class KVGroup:
     """One KV-cache group of an engine (vLLM's hybrid KV-cache manager gives each kind of attention layer
     its own): ``num_layers`` layers, in layout order after the groups before it, that share block ids.
-    A sliding-window group (``sliding_window`` tokens; 0: full attention) keeps only the blocks its
-    window still covers: the others are :data:`NULL_BLOCK` in a request's ids."""
+
+    - A sliding-window group (``sliding_window`` tokens; 0: full attention) keeps only the blocks its
+      window still covers: the others are :data:`NULL_BLOCK` in a request's ids.
+    - A *state* group (``state=True``: Mamba/SSM layers in vLLM's ``mamba_cache_mode="align"``) holds no
+      per-token KV: its block at position ``p`` is the layers' recurrent state after token
+      ``(p + 1) * block_size``, where the engine kept one (most positions are null). A load into it
+      needs exactly the state at the load's end, so loads that involve one end on a block boundary.
+    """
 
     num_layers: int
     sliding_window: int = 0
+    state: bool = False
+
+    @property
+    def gives_back(self) -> bool:
+        """Whether the engine may take this group's blocks back while the request runs (a window that
+        moved on, a state superseded by the next one): their saves must be over before the next step."""
+        return bool(self.sliding_window) or self.state
 
     def loaded(self, computed: int, total: int, block_size: int) -> range:
         """The block positions an engine at ``total`` tokens keeps in this group from ``computed`` tokens
         on: what a load into it covers (vLLM gives back a sliding group's blocks before token
-        ``total - window + 1``)."""
+        ``total - window + 1``; a state group's load is the one state at ``total``, a block boundary)."""
         first = computed // block_size
+        if self.state:
+            end = total // block_size
+            return range(end - 1, end) if total > computed and total % block_size == 0 else range(0)
         if self.sliding_window:
             first = max(first, max(0, total - self.sliding_window + 1) // block_size)
         return range(first, -(-total // block_size))
@@ -340,6 +356,7 @@ class Backend(abc.ABC):
     kind: ClassVar[Literal["store", "peer"]]
     options_type: ClassVar[type[Any]]
     supports_kv_groups: ClassVar[bool] = False  # moves the blocks of several KV-cache groups (EngineInfo.kv_groups)
+    supports_state_groups: ClassVar[bool] = False  # ... state groups among them (KVGroup.state: Mamba layers)
 
     def __init__(self, options: Any):
         self.options = options

@@ -37,6 +37,7 @@ from kvbridge.contract import (
     BlockSave,
     EngineInfo,
     FinishDecision,
+    KVGroup,
     Lookup,
     RequestInfo,
     ScheduledRequest,
@@ -153,6 +154,7 @@ class StoreBackend(Backend):
 
     kind: ClassVar = "store"
     supports_kv_groups: ClassVar[bool] = True
+    supports_state_groups: ClassVar[bool] = True
 
     @abc.abstractmethod
     def open_index(self, engine: EngineInfo) -> StoreIndex:
@@ -249,17 +251,27 @@ class StoreScheduler(SchedulerSide):
 
     def _grouped_hit(self, tracked: _Tracked, computed: int) -> int:
         """The blocks a grouped engine can load: the prefix every full-attention group holds, if each
-        sliding-window group holds what its window at that point covers; else none."""
+        sliding-window group holds what its window at that point covers; else none. With a state group,
+        the hit ends on a block boundary where every state group holds its state (the longest such)."""
         assert self._groups is not None
         groups, keys = self._groups.groups, self._groups.keys(tracked)
-        hit = min((self.index.contains_prefix(k) for g, k in zip(groups, keys) if not g.sliding_window),
+        bs, prompt = self.engine.block_size, tracked.info.num_prompt_tokens
+        hit = min((self.index.contains_prefix(k) for g, k in zip(groups, keys) if not g.gives_back),
                   default=len(tracked.info.block_keys))
-        total = min(hit * self.engine.block_size, tracked.info.num_prompt_tokens - 1)
+        if not any(g.state for g in groups):
+            return hit if self._holds(groups, keys, computed, min(hit * bs, prompt - 1)) else 0
+        for n in range(min(hit, (prompt - 1) // bs), computed // bs, -1):  # the state at the hit's end
+            if self._holds(groups, keys, computed, n * bs):
+                return n
+        return 0
+
+    def _holds(self, groups: Sequence[KVGroup], keys: Sequence[Sequence[bytes]], computed: int, total: int) -> bool:
+        """Whether the store holds what each window and state group needs for a load up to ``total``."""
         for group, k in zip(groups, keys):
             need = group.loaded(computed, total, self.engine.block_size)
-            if group.sliding_window and len(need) and self.index.contains_prefix(k[need.start : need.stop]) < len(need):
-                return 0
-        return hit
+            if group.gives_back and len(need) and self.index.contains_prefix(k[need.start : need.stop]) < len(need):
+                return False
+        return True
 
     def on_allocated(self, request: RequestInfo, block_ids: Sequence[int], num_external_tokens: int) -> None:
         self._check_open()
@@ -284,7 +296,7 @@ class StoreScheduler(SchedulerSide):
         window may give those blocks back, flushed before the next forward pass."""
         if getattr(source, "writes_back", False):
             tracked.writes_back = True
-            if self._groups is not None and any(g.sliding_window for g in self._groups.groups):
+            if self._groups is not None and any(g.gives_back for g in self._groups.groups):
                 self._window_saves.add(tracked.info.request_id)
 
     def _plan_grouped_load(self, tracked: _Tracked, block_ids: Sequence[int], total: int) -> None:
@@ -356,7 +368,7 @@ class StoreScheduler(SchedulerSide):
             picked = [span_g[i] for i in chosen]
             if picked:
                 saves.append(BlockSave(req.request_id, tuple(mine[i] for i in picked), tuple(keys[i] for i in picked), target))
-                if group.sliding_window:
+                if group.gives_back:
                     self._window_saves.add(req.request_id)
         tracked.saving = tracked.saving or bool(saves)
         return saves

@@ -175,14 +175,15 @@ def _kv_replicated(kv_cache_config: Any) -> bool:
 
 def kv_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
     """The engine's KV-cache groups as kvbridge moves them: empty for one full-attention group (every
-    layer), else one :class:`KVGroup` per vLLM group (full attention, or a sliding window); any other
-    kind of group (Mamba state, chunked local attention, cross attention) is a :class:`ConfigError`."""
+    layer), else one :class:`KVGroup` per vLLM group (full attention, a sliding window, or Mamba state in
+    vLLM's ``mamba_cache_mode="align"``); any other kind of group (Mamba state without prefix caching,
+    chunked local attention, cross attention) is a :class:`ConfigError`."""
     try:
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
     except ImportError:
         return ()
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    if len(groups) <= 1 and not (groups and isinstance(groups[0].kv_cache_spec, SlidingWindowSpec)):
+    if len(groups) <= 1 and not (groups and isinstance(groups[0].kv_cache_spec, (SlidingWindowSpec, MambaSpec))):
         return ()  # one group of every layer, whatever its spec (MLA's too)
     out = []
     for g in groups:
@@ -191,13 +192,20 @@ def kv_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
             out.append(KVGroup(len(g.layer_names), int(spec.sliding_window)))
         elif isinstance(spec, FullAttentionSpec) and not getattr(spec, "sliding_window", None):
             out.append(KVGroup(len(g.layer_names)))
+        elif isinstance(spec, MambaSpec) and getattr(spec, "mamba_cache_mode", None) == "align":
+            out.append(KVGroup(len(g.layer_names), state=True))
+        elif isinstance(spec, MambaSpec):
+            raise ConfigError(f"kvbridge moves Mamba state only with vLLM's mamba_cache_mode='align' (prefix caching "
+                              f"on), which keeps a state per block; this engine has {spec.mamba_cache_mode!r}")
         else:
-            raise ConfigError(f"kvbridge moves full-attention and sliding-window KV-cache groups; this model has a "
-                              f"{type(spec).__name__} group ({len(g.layer_names)} layers)")
+            raise ConfigError(f"kvbridge moves full-attention, sliding-window and Mamba (align) KV-cache groups; this "
+                              f"model has a {type(spec).__name__} group ({len(g.layer_names)} layers)")
     if len({int(g.kv_cache_spec.block_size) for g in groups}) > 1:
         raise ConfigError("kvbridge needs one block size for every KV-cache group, got "
                           f"{sorted({int(g.kv_cache_spec.block_size) for g in groups})}")
-    return tuple(out) if len(out) > 1 or any(g.sliding_window for g in out) else ()
+    if all(g.state for g in out):
+        raise ConfigError("kvbridge moves Mamba state beside attention KV; this model has no attention group")
+    return tuple(out) if len(out) > 1 or any(g.gives_back for g in out) else ()
 
 
 def _group_layers(kv_cache_config: Any) -> tuple[tuple[str, ...], ...]:
@@ -482,12 +490,17 @@ class SchedulerAdapter:
         self.side.close()
 
 
-def _shared_tensors(kv_caches: Mapping[str, Any], group_layers: Sequence[Sequence[str]]) -> dict[str, Any]:
+def _shared_tensors(kv_caches: Mapping[str, Any], group_layers: Sequence[Sequence[str]],
+                    groups: Sequence[KVGroup] = ()) -> dict[str, Any]:
     """A grouped engine's KV as a store moves it: each tensor once. vLLM's hybrid manager lets one layer
     of every group share each tensor, and a block id belongs to one group, so block ``b`` of every
-    tensor is exactly group-of-``b``'s block. Anything else is a :class:`ConfigError`."""
+    tensor is exactly group-of-``b``'s block. Anything else is a :class:`ConfigError`. Each tensor is
+    named by a layer of the first attention group: a Mamba layer's view covers only its state, a prefix
+    of the page (vLLM pads a state to the attention block's bytes), while the attention layer's covers
+    the whole page, which is what a block id owns."""
+    first = next((i for i, g in enumerate(groups) if not g.state), 0)
     tensors: dict[int, tuple[str, Any]] = {}
-    for name in group_layers[0]:
+    for name in group_layers[first]:
         tensors.setdefault(kv_caches[name].data_ptr(), (name, kv_caches[name]))
     for names in group_layers:
         if len(names) != len(tensors) or {kv_caches[n].data_ptr() for n in names} != set(tensors):
@@ -519,7 +532,7 @@ class WorkerAdapter:
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         counts: list[int] = []
         if self.engine.kv_groups and self.per_tensor:
-            tensors = _shared_tensors(kv_caches, self.group_layers)
+            tensors = _shared_tensors(kv_caches, self.group_layers, self.engine.kv_groups)
             index = {t.data_ptr(): i for i, t in enumerate(tensors.values())}
             # every layer is its tensor's: vLLM calls wait_for_layer_load / save_kv_layer for each
             self._aliases = {name: index[t.data_ptr()] for name, t in kv_caches.items() if t.data_ptr() in index}
@@ -643,6 +656,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if engine.kv_groups and not backend.supports_kv_groups:
             raise ConfigError(f"the {name} backend moves one KV-cache group; this model has {len(engine.kv_groups)} "
                               "(turn vLLM's hybrid KV-cache manager off: --disable-hybrid-kv-cache-manager)")
+        if any(g.state for g in engine.kv_groups) and not backend.supports_state_groups:
+            raise ConfigError(f"the {name} backend moves no Mamba state (a producer's finished request keeps only its "
+                              "last state, not one at a block boundary a consumer can resume from); use a store: "
+                              "fs, cpu, lmcache or chain")
         self.engine = engine
         if worker:
             self._worker = WorkerAdapter(backend.worker(engine), engine, kv_cache_dtype(vllm_config),
