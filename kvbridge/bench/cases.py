@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge import registry
+from kvbridge.bench import lmcache_native as _lmcache_native
 from kvbridge.bench import ucx_baselines as _ucx_baselines  # noqa: F401 - registers the "ucxx-wa" baseline
 from kvbridge.bench.baselines import BASELINES, Unavailable
 from kvbridge.bench.core import (
@@ -111,16 +112,22 @@ DEFAULT_BENCH = BackendBench()
 class ExternalPeer:
     """A third-party transfer system to compare against: the package to import, and a case once written.
 
-    ``run(point, reps)`` moves ``point.nbytes`` with that system's own API and returns the :class:`Timing`.
+    ``run(point, reps)`` moves ``point.nbytes`` with that system's own API and returns the :class:`Timing` of
+    one ``transfer`` row beside ``baselines``; a peer with ``rows`` (row name -> its baselines) returns
+    ``{(row, op): Timing}`` instead, one per row and each op of ``ops`` (ops not chosen by ``--ops`` are
+    not reported).
     """
 
     package: str
-    run: Callable[[Point, int], Timing] | None = None
+    run: Callable[[Point, int], Timing | Mapping[tuple[str, str], Timing]] | None = None
     baselines: tuple[str, ...] = ("tcp",)
+    rows: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    ops: tuple[str, ...] = ("transfer",)
 
 
 EXTERNAL: dict[str, ExternalPeer] = {
-    "lmcache-native": ExternalPeer("lmcache"),
+    # LMCache's own engine (store / retrieve, as its vLLM integration calls them) on its CPU and disk tiers
+    "lmcache-native": ExternalPeer("lmcache", _lmcache_native.run, rows=_lmcache_native.ROWS, ops=_lmcache_native.OPS),
 }  # NIXL and Mooncake are measured beside ucx, as its baselines (kvbridge/bench/peers.py)
 
 STORE_OPS = ("save", "load", "save_stall", "sched_step")
@@ -386,7 +393,7 @@ def sched_points(points: Sequence[Point]) -> list[Point]:
 
 def _planned(name: str, points: Sequence[Point], ops: Sequence[str] = OPS) -> int:
     if name in EXTERNAL:
-        return 1
+        return len(points)
     per_point = max(1, len({"save", "load", "save_stall"} & set(ops)))
     return per_point * len(points) + (len(sched_points(points)) if "sched_step" in ops else 0)
 
@@ -576,19 +583,29 @@ class Measurer:
 
     def _external(self, name: str, points: Sequence[Point]) -> list[Record]:
         peer = EXTERNAL[name]
-        self.progress.step(f"{name} (external)")
+        rows = dict(peer.rows) or {name: peer.baselines}
+        ops = [op for op in peer.ops if op in self.ops]
+        if not ops:
+            return []  # none of the chosen ops applies
         if importlib.util.find_spec(peer.package) is None:
-            return _not_measured(name, "transfer", points[0], peer.baselines, f"{peer.package} not installed")
+            why = f"{peer.package} not installed"
+            return [r for row, bases in rows.items() for r in _not_measured(row, "-", points[0], bases, why)]
         if peer.run is None:
             why = f"{peer.package} is installed but has no bench case yet (EXTERNAL[{name!r}].run in kvbridge/bench/cases.py)"
-            return _not_measured(name, "transfer", points[0], peer.baselines, why)
+            return [r for row, bases in rows.items() for r in _not_measured(row, "-", points[0], bases, why)]
         records: list[Record] = []
         for point in points:
+            self.progress.step(f"{name} {point.label()} (external)")
             try:
-                ours, note = peer.run(point, self.reps), ""
+                got, note = peer.run(point, self.reps), ""
             except Exception as exc:  # noqa: BLE001
-                ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
-            records += self._records(name, "transfer", point, ours, peer.baselines, {}, note)
+                got, note = None, f"not measured: {type(exc).__name__}: {exc}"
+            timings = got if isinstance(got, Mapping) else {(name, "transfer"): got} if got is not None else {}
+            for row, bases in rows.items():
+                for op in ops:
+                    ours = timings.get((row, op))
+                    why = note or ("" if ours else f"not measured: {name}'s case gave no {op} figure for {row}")
+                    records += self._records(row, op, point, ours, bases, {}, why)
         return records
 
 
