@@ -33,11 +33,12 @@ Mapping, in vLLM's call order:
   ``poll`` (failed blocks are kept for ``get_block_ids_with_load_errors``, so vLLM recomputes them);
 - ``update_connector_output`` -> ``on_report``; ``request_finished`` -> ``on_finished``.
 
-KV-cache groups (vLLM's hybrid manager: sliding-window and full-attention layers apart): every connector
-here is ``SupportsHMA``, so vLLM keeps the hybrid manager on; the backend gets every group
+KV-cache groups (vLLM's hybrid manager: sliding-window, full-attention and Mamba layers apart): every
+connector here is ``SupportsHMA``, so vLLM keeps the hybrid manager on; the backend gets every group
 (``EngineInfo.kv_groups``, group-major block ids, vLLM's null block as ``NULL_BLOCK``) if it declares
-``supports_kv_groups`` (ucx and every store), else start-up fails naming it. A store's worker sees each
-shared tensor once (:func:`_shared_tensors`); ucx's sees each group's layers.
+``supports_kv_groups`` (ucx and every store), and Mamba state groups (``KVGroup.state``) only if it
+declares ``supports_state_groups`` (every store), else start-up fails naming it. A store's worker sees
+each shared tensor once (:func:`_shared_tensors`); ucx's sees each group's layers.
 
 One guard keeps a backend's answers from confusing vLLM: a request that ends during its async load
 keeps only vLLM's own hold on its blocks (see :meth:`SchedulerAdapter.request_finished`). (That a
