@@ -292,7 +292,8 @@ def test_mla_kv_is_one_copy_shared_by_every_tp_size(vl: Any) -> None:
 
 def test_kv_cache_groups_from_vllms_specs(vl: Any) -> None:
     """A sliding-window group and a full-attention one (real vLLM classes) become kvbridge's KV groups;
-    one full-attention group is none; a Mamba group is refused with its name."""
+    one full-attention group is none; a Mamba group is a state group in vLLM's align mode, refused otherwise
+    and over ucx."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -311,9 +312,15 @@ def test_kv_cache_groups_from_vllms_specs(vl: Any) -> None:
     assert vl.c.kv_groups(cfg((2, full))) == ()
     assert vl.c.kv_groups(cfg((1, swa), (3, full))) == (vl.KVGroup(1, 64), vl.KVGroup(3, 0))
     assert vl.c.kv_groups(cfg((2, swa))) == (vl.KVGroup(2, 64),), "one sliding group still nulls blocks"
-    mamba = MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,))
-    with pytest.raises(ConfigError, match="MambaSpec"):
-        vl.c.kv_groups(cfg((1, full), (1, mamba)))
+    mamba = MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    assert vl.c.kv_groups(cfg((1, mamba), (1, full))) == (vl.KVGroup(1, state=True), vl.KVGroup(1))
+    with pytest.raises(ConfigError, match="mamba_cache_mode='align'"):  # no state kept per block: nothing to load
+        vl.c.kv_groups(cfg((1, full), (1, MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,)))))
+    with pytest.raises(ConfigError, match="no attention group"):
+        vl.c.kv_groups(cfg((1, mamba)))
+    with pytest.raises(ConfigError, match="the ucx backend moves no Mamba state"):  # a store would take it
+        vl.c.UCXConnector(config(vl, "kv_consumer", {}, connector="kvbridge.UCXConnector"), vl.Role.SCHEDULER,
+                          cfg((1, mamba), (1, full)))
 
 
 def test_grouped_block_ids_are_group_major_with_nulls(vl: Any) -> None:
