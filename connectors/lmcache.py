@@ -165,11 +165,16 @@ class _LMCache:
 _LIB: _LMCache | None = None
 
 
+def quiet_environment() -> None:
+    """What LMCache reads when imported: no usage tracking, warnings only (a user's own settings win)."""
+    for name, value in (("LMCACHE_TRACK_USAGE", "false"), ("DO_NOT_TRACK", "1"), ("LMCACHE_LOG_LEVEL", "WARNING")):
+        os.environ.setdefault(name, value)
+
+
 def _lmcache() -> _LMCache:
     global _LIB
     if _LIB is None:
-        for name, value in (("LMCACHE_TRACK_USAGE", "false"), ("DO_NOT_TRACK", "1"), ("LMCACHE_LOG_LEVEL", "WARNING")):
-            os.environ.setdefault(name, value)  # LMCache reads these when imported
+        quiet_environment()
         try:
             from lmcache.utils import CacheEngineKey
             from lmcache.v1.config import LMCacheEngineConfig

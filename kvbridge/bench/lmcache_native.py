@@ -90,8 +90,9 @@ _LIB: _LMCache | None = None
 def _lmcache() -> _LMCache:
     global _LIB
     if _LIB is None:
-        for name, value in (("LMCACHE_TRACK_USAGE", "false"), ("DO_NOT_TRACK", "1"), ("LMCACHE_LOG_LEVEL", "WARNING")):
-            os.environ.setdefault(name, value)  # read when LMCache is imported
+        from kvbridge.connectors.lmcache import quiet_environment
+
+        quiet_environment()  # before LMCache is imported
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
