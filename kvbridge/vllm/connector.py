@@ -658,8 +658,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             raise ConfigError(f"the {name} backend moves one KV-cache group; this model has {len(engine.kv_groups)} "
                               "(turn vLLM's hybrid KV-cache manager off: --disable-hybrid-kv-cache-manager)")
         if any(g.state for g in engine.kv_groups) and not backend.supports_state_groups:
-            raise ConfigError(f"the {name} backend moves no Mamba state (a producer's finished request keeps only its "
-                              "last state, not one at a block boundary a consumer can resume from); use a store: "
+            raise ConfigError(f"the {name} backend moves no Mamba state (a {backend.kind} reads a producer's finished "
+                              "request, which keeps only its last state, not one at a block boundary a consumer can "
+                              "resume from); use a store: "
                               "fs, cpu, lmcache or chain")
         self.engine = engine
         if worker:
