@@ -29,14 +29,21 @@ Semantics:
   ``wait_layer(i)`` waits only for layer ``i`` (vLLM: ``Lookup(is_async=False)``, no extra engine step
   for the request to wait in). Default off: the load runs a step ahead, asynchronously.
 - Moves are vectorized, never a Python loop over blocks: with a CPU KV, one native call copies every
-  piece of every layer (``kvbridge._ucp``'s descriptor copy, GIL released; addresses from block ids
-  and slots in one numpy expression each); else one ``index_select``/``index_copy_`` per layer (or
-  one slice copy when the slots are consecutive). Loads and saves run on the worker's IO thread, in
-  plan order.
+  piece of every layer (``kvbridge._ucp.cma_start``: addresses from block ids and slots in one numpy
+  expression each); else one ``index_select``/``index_copy_`` per layer (or one slice copy when the
+  slots are consecutive).
+- With a CPU KV a load or save *starts* on the native module's threads from the engine's own call
+  (``start_load`` / ``start_save``): no hand-off to the IO thread and back, which cost ~0.1-0.2 ms
+  each way of an 8 MiB move here. A poll that sees it over reports it (a save's slots get their tags
+  then; a load of such a slot planned earlier waits for its save first). Copies from 8 MiB are cut
+  between the two threads; saves write the pool with streaming stores (the pool is not read soon:
+  no read-for-ownership of its lines), loads from 32 MiB too. Where something is queued on the IO
+  thread, or the KV is on a GPU, the IO thread moves it, in plan order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections import OrderedDict
@@ -213,6 +220,10 @@ class CpuPool(StoreIO):
         self._words: list[tuple[Any, Any]] | None = None
         # a CPU KV: (native module, the KV's addressing, the pool's) for one memcpy call per load or save
         self._native: tuple[Any, BlockAddressing, BlockAddressing] | None = None
+        # saves running on the native threads whose slots are not tagged yet (the poll completes them;
+        # a load of one of their slots waits for it first): the running copy, its slots and keys
+        self._saving: list[tuple[Any, list[int], Sequence[bytes]]] = []
+        self._saving_lock = threading.Lock()  # the polling thread, the IO thread
 
     def attach(self, layout: KVLayout) -> None:
         slot_bytes = layout.num_layers * layout.block_bytes
@@ -244,6 +255,11 @@ class CpuPool(StoreIO):
     def _valid(self, op: BlockLoad) -> tuple[list[int], int]:
         """The op's slots, and how many leading ones hold their key (a prefix: the rest are failed)."""
         slots = _slots(op.source, len(op.block_ids))
+        if self._saving:  # a save of some of these slots may still be running: it counts once it is over
+            wanted = set(slots)
+            for save in [s for s in self._saving if wanted.intersection(s[1])]:
+                with contextlib.suppress(OSError):  # a failed save leaves its slots untagged: failed blocks
+                    self._complete(save)
         n = 0
         while n < len(slots) and slots[n] >= 0 and self._tags[slots[n]] == op.keys[n]:
             n += 1
@@ -281,9 +297,7 @@ class CpuPool(StoreIO):
             with torch.cuda.stream(self._stream):
                 _copy_in(pool, slots[:n], op.block_ids[:n], layout)
         elif n and self._native is not None:  # one call, GIL released: every piece of every layer
-            mod, kv, pool_at = self._native
-            blocks = layout.check_range(op.block_ids[:n])
-            _native_copy(mod, pool_at.addresses(np.asarray(slots[:n])), kv.addresses(blocks), kv.lengths(n))
+            self._native_load(slots[:n], op.block_ids[:n], layout).result()
         elif n and self._words is not None:
             ids, slot_runs = layout.check_ids(op.block_ids[:n]), coalesce(slots[:n])
             at = torch.as_tensor(slots[:n])
@@ -297,6 +311,68 @@ class CpuPool(StoreIO):
             _copy_in(pool, slots[:n], op.block_ids[:n], layout)
         return op.block_ids[n:]
 
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Any, Callable[[], Sequence[int]]] | None:
+        """With a CPU KV, the load runs on the native module's threads, checked now (the slots' tags: they
+        are pinned until the load is released) and reported by the poll that sees it over."""
+        if self._native is None or self._stream is not None:
+            return None
+        slots, n = self._valid(op)
+        if not n:
+            return None
+        running = self._native_load(slots[:n], op.block_ids[:n], layout)
+
+        def failed() -> Sequence[int]:
+            running.result()  # raises if the copy failed: every block of the op is then failed
+            return op.block_ids[n:]
+
+        return running, failed
+
+    def _native_load(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> Any:
+        """Slots into blocks, started on the native threads (``cma_start``: cut between them from 8 MiB;
+        streaming stores from :data:`_STREAM_LOAD_BYTES`, where the KV cannot stay cached anyway)."""
+        assert self._native is not None
+        mod, kv, pool_at = self._native
+        blocks = layout.check_range(block_ids)
+        lengths = kv.lengths(len(blocks))
+        streaming = len(blocks) * layout.num_layers * layout.block_bytes >= _STREAM_LOAD_BYTES
+        return mod.cma_start(0, pool_at.addresses(np.asarray(slots)), kv.addresses(blocks), lengths, streaming=streaming)
+
+    def start_save(self, op: BlockSave, layout: KVLayout) -> tuple[Any, Callable[[], None]] | None:
+        """With a CPU KV, the save runs on the native module's threads; its slots are tagged once the
+        poll sees it over (or a load of one of them waits for it)."""
+        if self._native is None:
+            return None
+        slots = _slots(op.target, len(op.block_ids))
+        if not slots:
+            return None
+        for slot in slots:  # invalid until the copy is complete
+            self._tags[slot] = None
+        save = (self._native_save(slots, op.block_ids, layout), slots, op.keys)
+        with self._saving_lock:
+            self._saving.append(save)
+        return save[0], lambda: self._complete(save)
+
+    def _complete(self, save: tuple[Any, list[int], Sequence[bytes]]) -> None:
+        """Tag the slots of a native save once it is over (waits for it); raises if its copy failed."""
+        running, slots, keys = save
+        running.wait()
+        with self._saving_lock:
+            if not any(s is save for s in self._saving):
+                return  # completed already: by the poll, or by a load that waited for it
+            self._saving = [s for s in self._saving if s is not save]
+        running.result()
+        for slot, key in zip(slots, keys):
+            self._tags[slot] = key
+
+    def _native_save(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> Any:
+        """Blocks into slots, started on the native threads, with streaming stores: the pool is not read
+        soon, so its lines need not be read into the cache first."""
+        assert self._native is not None
+        mod, kv, pool_at = self._native
+        blocks = layout.check_range(block_ids)
+        return mod.cma_start(0, kv.addresses(blocks), pool_at.addresses(np.asarray(slots)), kv.lengths(len(blocks)),
+                             streaming=True)
+
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         pool = self._pool()
         slots = _slots(op.target, len(op.block_ids))
@@ -304,29 +380,32 @@ class CpuPool(StoreIO):
             return
         for slot in slots:  # invalid until the copy is complete
             self._tags[slot] = None
-        slot_runs = coalesce(slots)
         if self._native is not None:  # one call, GIL released
-            mod, kv, pool_at = self._native
-            blocks = layout.check_range(op.block_ids)
-            _native_copy(mod, kv.addresses(blocks), pool_at.addresses(np.asarray(slots)), kv.lengths(len(blocks)))
-        elif self._words is not None and len(slot_runs) > 1:
-            staging, at = layout.gather(op.block_ids), torch.as_tensor(slots)
+            self._native_save(slots, op.block_ids, layout).result()
+        else:
+            self._copy_out(pool, slots, op.block_ids, layout)
+        _sync(layout)
+        for slot, key in zip(slots, op.keys):
+            self._tags[slot] = key
+
+    def _copy_out(self, pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], layout: KVLayout) -> None:
+        """Blocks into slots with torch (a KV on a GPU, or no native module)."""
+        slot_runs = coalesce(slots)
+        if self._words is not None and len(slot_runs) > 1:
+            staging, at = layout.gather(block_ids), torch.as_tensor(slots)
             for layer, (_, slab) in enumerate(self._words):
                 slab.index_copy_(0, at, _int32_rows(staging[layer]))
         elif len(slot_runs) == 1 and layout.device.type == "cpu":  # gather straight into the pool: one copy
-            ids = layout.check_ids(op.block_ids)
-            runs = coalesce(op.block_ids)
+            ids = layout.check_ids(block_ids)
+            runs = coalesce(block_ids)
             start, n = slot_runs[0]
             for layer in range(layout.num_layers):
                 layout.gather_layer(layer, ids, pool[layer, start : start + n], runs)
         elif len(slot_runs) == 1:  # one device-to-host copy into consecutive slots
             start, n = slot_runs[0]
-            pool[:, start : start + n].copy_(layout.gather(op.block_ids))
+            pool[:, start : start + n].copy_(layout.gather(block_ids))
         else:
-            pool.index_copy_(1, torch.as_tensor(slots), layout.gather(op.block_ids).cpu())
-        _sync(layout)
-        for slot, key in zip(slots, op.keys):
-            self._tags[slot] = key
+            pool.index_copy_(1, torch.as_tensor(slots), layout.gather(block_ids).cpu())
 
     def close(self) -> None:
         self.pool = None
@@ -364,18 +443,9 @@ def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], lay
     _sync(layout)
 
 
-_CUT_COPY_BYTES = 32 << 20  # from here a copy runs as two pieces on the native module's two threads
-
-
-def _native_copy(mod: Any, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> None:
-    """Copy descriptors within this process, GIL released. One thread's memcpy is bound by its memory
-    latency: from 32 MiB the copy is cut in two pieces copied at once (``cma_start``; measured here ~1.4x
-    at 32-128 MiB). Below, the hand-off to those threads costs more than it brings (cache-hot copies of a
-    few MiB ran at 0.75x), so this thread copies."""
-    if int(lengths.sum()) >= _CUT_COPY_BYTES:
-        mod.cma_start(0, src, dst, lengths).result()
-    else:
-        mod.cma_read(0, src, dst, lengths)
+# From here a load's copy into the KV uses streaming stores too: a copy this large cannot stay in the cache
+# (32 MiB of L3 here), so skipping the read-for-ownership only gains (measured 10 -> 16 GB/s at 128 MiB).
+_STREAM_LOAD_BYTES = 32 << 20
 
 
 def _sync(layout: KVLayout) -> None:

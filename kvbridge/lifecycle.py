@@ -143,8 +143,9 @@ class Transfers:
     ``load(op, fn)`` runs ``fn() -> failed block ids`` (a raise fails every block of ``op``);
     ``save(request_id, fn)`` runs ``fn()`` (a raise is logged and counted by ``on_save_error``, never
     failing the request). ``hold(ids)``: these requests ended; report each in ``finished_saving`` once
-    it has nothing in flight. ``post(op, running, finish)``: a load a backend already started elsewhere
-    (a native thread), finished by whoever polls or waits once it is over.
+    it has nothing in flight. ``post(op, running, finish)`` and ``post_save(request_id, running,
+    finish)``: a load or a save a backend already started elsewhere (a native thread), finished by
+    whoever polls or waits once it is over.
     """
 
     def __init__(self, name: str, *, threads: int = 1):
@@ -157,6 +158,8 @@ class Transfers:
         self._failed: set[int] = set()
         self._held: set[str] = set()
         self._posted: list[tuple[BlockLoad, Running, Finish]] = []  # loads running off our threads
+        # saves running off our threads: request, the running copy, its finish, what counts its failure
+        self._posted_saves: list[tuple[str, Running, Callable[[], None], Callable[[Exception], None] | None]] = []
         self._closed = False
 
     # -- submitting --------------------------------------------------------------------------------
@@ -177,6 +180,17 @@ class Transfers:
             self._busy[op.request_id] += 1
             self._posted.append((op, running, finish))
 
+    def post_save(
+        self, request_id: str, running: Running, finish: Callable[[], None], on_error: Callable[[Exception], None] | None = None
+    ) -> None:
+        """A save already running where no Python thread waits on it; once ``running.done()``,
+        ``finish()`` runs on the thread that polls or waits (a raise is a failed save, as in :meth:`save`)."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("transfers are closed")
+            self._busy[request_id] += 1
+            self._posted_saves.append((request_id, running, finish, on_error))
+
     def hold(self, request_ids: Iterable[str]) -> None:
         with self._lock:
             for rid in request_ids:
@@ -184,6 +198,11 @@ class Transfers:
                     self._held.add(rid)
                 else:
                     self._saved.add(rid)
+
+    def queued(self) -> bool:
+        """Whether anything is queued or running on the IO thread (posted loads aside)."""
+        with self._lock:
+            return bool(self._futures)
 
     def busy(self, request_id: str) -> bool:
         with self._lock:
@@ -231,12 +250,18 @@ class Transfers:
 
     # -- on the thread that polls or waits ---------------------------------------------------------
     def _reap(self) -> None:
-        """Finish the posted loads that are over."""
+        """Finish the posted loads and saves that are over."""
         with self._lock:
-            if not self._posted:
+            if not self._posted and not self._posted_saves:
                 return
             over = [p for p in self._posted if p[1].done()]
             self._posted = [p for p in self._posted if not any(p is q for q in over)]
+            saved = [p for p in self._posted_saves if p[1].done()]
+            self._posted_saves = [p for p in self._posted_saves if not any(p is q for q in saved)]
+        for request_id, _, finish_save, on_error in saved:
+            self._run_save(request_id, finish_save, on_error)
+            with self._lock:
+                self._idle(request_id)
         for op, _, finish in over:
             try:
                 out = finish()
@@ -278,7 +303,8 @@ class Transfers:
         while True:
             self._reap()
             with self._lock:
-                futures, posted = set(self._futures), [running for _, running, _ in self._posted]
+                futures = set(self._futures)
+                posted = [running for _, running, _ in self._posted] + [p[1] for p in self._posted_saves]
                 if wanted is None and not futures and not posted:
                     return True
                 if wanted is not None and not any(self._busy[r] for r in wanted):

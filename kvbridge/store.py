@@ -50,7 +50,7 @@ from kvbridge.contract import (
 from kvbridge.errors import KVBridgeError
 from kvbridge.keys import group_key
 from kvbridge.layout import KVLayout
-from kvbridge.lifecycle import Ending, LoadBook, Transfers
+from kvbridge.lifecycle import Ending, LoadBook, Running, Transfers
 from kvbridge.stats import TransferStats
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,19 @@ class StoreIO(abc.ABC):
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         """Store blocks ``op.block_ids`` under ``op.keys``. Runs on the IO thread; the blocks stay
         untouched until it returns."""
+
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Running, Callable[[], Sequence[int]]] | None:
+        """Optional: start ``op`` now where no Python thread waits on it (native threads), and return the
+        running copy and what gives the block ids that did not arrive once it is over (called on the
+        thread that polls). ``None``: :meth:`load` runs it on the IO thread instead. The worker asks only
+        when nothing is queued on the IO thread, so a started load never overtakes a save it may read."""
+        return None
+
+    def start_save(self, op: BlockSave, layout: KVLayout) -> tuple[Running, Callable[[], None]] | None:
+        """Optional: start ``op`` now where no Python thread waits on it, and return the running copy and
+        what completes the save once it is over (called on the thread that polls; a raise fails the
+        save). ``None``: :meth:`save` runs it on the IO thread. Asked only when nothing is queued there."""
+        return None
 
     def write_back(self, op: BlockLoad, layout: KVLayout, failed: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """After ``op`` was reported loaded: copy its blocks that arrived (not ``failed``) elsewhere, e.g. a
@@ -452,7 +465,7 @@ class StoreWorker(WorkerSide):
         for op in plan.loads:
             if op.layerwise and self.layer_transfers is not None:
                 self._start_layerwise(op, layout, self.layer_transfers)
-            else:
+            elif not self._start_native(op, layout):
                 self.transfers.load(op, functools.partial(self._load, op, layout))
         self.transfers.hold(plan.held)
 
@@ -484,6 +497,30 @@ class StoreWorker(WorkerSide):
             return set(op.block_ids[valid:])
 
         transfers.load(op, run)
+
+    def _start_native(self, op: BlockLoad, layout: KVLayout) -> bool:
+        """Start ``op`` on the store's native threads if it can (:meth:`StoreIO.start_load`): no hand-off
+        to the IO thread and back, ~0.15 ms of an 8 MiB load here. Not when something is queued on the
+        IO thread (the load must not overtake it) or the load writes back (that runs on the IO thread)."""
+        if getattr(op.source, "writes_back", False) or self.transfers.queued():
+            return False
+        t0 = time.perf_counter()
+        try:
+            started = self.io.start_load(op, layout)
+        except Exception as exc:  # the IO thread's load reports what fails, the ordinary way
+            log.debug("native start of %s's load failed (%s): the IO thread loads it", op.request_id, exc)
+            return False
+        if started is None:
+            return False
+        running, failed_ids = started
+
+        def finish() -> set[int]:
+            failed = set(failed_ids())
+            self._count_load(op, layout, len(failed), t0)
+            return failed
+
+        self.transfers.post(op, running, finish)
+        return True
 
     def wait_layer(self, layer: int) -> None:
         self._check_open()
@@ -523,13 +560,39 @@ class StoreWorker(WorkerSide):
             return
         ready = _forward_done(layout)
         for op in saves:
-            self.transfers.save(op.request_id, functools.partial(self._save, op, layout, ready), self._save_failed)
+            if ready is not None or not self._start_native_save(op, layout):
+                self.transfers.save(op.request_id, functools.partial(self._save, op, layout, ready), self._save_failed)
+
+    def _start_native_save(self, op: BlockSave, layout: KVLayout) -> bool:
+        """Start ``op`` on the store's native threads if it can (:meth:`StoreIO.start_save`), as
+        :meth:`_start_native` does a load."""
+        if self.transfers.queued():
+            return False
+        t0 = time.perf_counter()
+        try:
+            started = self.io.start_save(op, layout)
+        except Exception as exc:  # the IO thread's save fails (or not) the ordinary way
+            log.debug("native start of %s's save failed (%s): the IO thread saves it", op.request_id, exc)
+            return False
+        if started is None:
+            return False
+        running, complete = started
+
+        def finish() -> None:
+            complete()
+            self._count_save(op, layout, t0)
+
+        self.transfers.post_save(op.request_id, running, finish, self._save_failed)
+        return True
 
     def _save(self, op: BlockSave, layout: KVLayout, ready: Any) -> None:
         if ready is not None:  # the forward pass's kernels that wrote these blocks
             ready.synchronize()
         t0 = time.perf_counter()
         self.io.save(op, layout)
+        self._count_save(op, layout, t0)
+
+    def _count_save(self, op: BlockSave, layout: KVLayout, t0: float) -> None:
         self.stats.add(
             saves=1,
             save_blocks=len(op.block_ids),

@@ -8,7 +8,7 @@ import torch
 from kvbridge.connectors.cpu import CpuBackend, CpuIndex, CpuOptions, CpuPool, CpuSlots
 
 from kvbridge import native, registry
-from kvbridge.contract import BlockLoad, EngineInfo
+from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, LayoutError
 from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, KVLayout
 from kvbridge.testing import MiniEngine
@@ -242,6 +242,30 @@ def test_a_slot_without_the_expected_key_is_never_loaded():
         failed = pool.load(BlockLoad("x", (10, 11), (sent.keys[1], sent.keys[0]), CpuSlots((0, 1))), e.layout)
         assert list(failed) == [10, 11]
         assert torch.equal(e.read([10, 11]), before)
+    finally:
+        e.close()
+
+
+def test_a_load_waits_for_a_native_save_of_its_slots_that_no_poll_saw_over():
+    """A save on the native threads tags its slots when a poll sees it over; a load of those slots
+    started before that (the next step's hit) waits for the save, then loads its bytes, bit-exact."""
+    e = engine(8, num_blocks=64)
+    try:
+        idx, pool = parts(e)
+        if pool._native is None:
+            pytest.skip(f"kvbridge._ucp: {native.load()[1]}")
+        keys = e.request("x", tokens(3, seed=8)).block_keys[:3]
+        e.compute([5, 9, 2], keys)
+        _, target = idx.reserve_save("s", keys)
+        started = pool.start_save(BlockSave("s", (5, 9, 2), tuple(keys), target), e.layout)
+        assert started is not None and pool._saving  # not tagged yet: nothing polled it
+        source = idx.reserve_load("l", keys)
+        load = pool.start_load(BlockLoad("l", (40, 41, 42), tuple(keys), source), e.layout)
+        assert load is not None and not pool._saving  # the load completed the save first
+        running, failed = load
+        assert running.wait(30) and list(failed()) == []
+        assert torch.equal(e.read([40, 41, 42]), e.expected(keys))
+        started[1]()  # the poll's completion of the save, after the load did it: nothing more to do
     finally:
         e.close()
 

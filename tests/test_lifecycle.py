@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -111,6 +112,36 @@ def test_posted_loads_are_finished_by_whoever_polls_or_waits() -> None:
     finally:
         for gate in (sealed, unsealed, broken):
             gate.event.set()
+        t.close()
+
+
+def test_posted_saves_hold_their_request_until_a_poll_sees_them_over() -> None:
+    """A save started on a native thread: its request stays held (its blocks are still read) until the
+    thread that polls or waits sees it over and completes it; a completion that raises is a failed
+    save, counted, never raised; ``queued`` tells only of the IO thread's own work."""
+    t = Transfers("test")
+    good, bad = _Gate(), _Gate()
+    done: list[str] = []
+    errors: list[Exception] = []
+    try:
+        t.post_save("a", good, lambda: done.append(threading.current_thread().name), errors.append)
+        t.post_save("b", bad, lambda: (_ for _ in ()).throw(OSError("copy failed")), errors.append)
+        t.hold(["a", "b"])
+        assert not t.queued() and t.busy("a") and t.busy("b")
+        assert t.poll() == WorkerReport() and not t.wait(timeout=0.05) and done == []
+        good.event.set()
+        assert t.wait(["a"], timeout=5)
+        assert t.poll() == WorkerReport(finished_saving=frozenset({"a"}))
+        assert done == [threading.current_thread().name] and errors == []
+        bad.event.set()
+        assert t.wait(timeout=5)
+        assert t.poll() == WorkerReport(finished_saving=frozenset({"b"}))
+        assert [str(e) for e in errors] == ["copy failed"]
+        t.save("c", lambda: time.sleep(0.2))
+        assert t.queued()
+    finally:
+        good.event.set()
+        bad.event.set()
         t.close()
 
 

@@ -243,6 +243,28 @@ def test_cma_start_cuts_a_long_read_between_its_threads(peer: Peer) -> None:
         assert e.value.errno == 14  # EFAULT
 
 
+@pytest.mark.parametrize("cut_bytes", [1 << 62, 1 << 20])
+def test_local_copies_with_streaming_stores_are_bit_exact(cut_bytes: int) -> None:
+    """pid 0 with ``streaming=True`` (non-temporal stores, aligned 64-byte bodies between a memcpy'd head
+    and tail): every byte lands for lengths and addresses of every alignment, and nothing around the
+    destinations is touched; cut between the threads or not."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    lengths = np.array([0, 1, 15, 16, 17, 63, 64, 65, 127, 4096 + 3, 65536, 300_001, 1 << 20], np.uint64)
+    starts = np.cumsum(np.concatenate([[0], lengths[:-1] + 29])).astype(np.uint64)  # gaps, odd offsets
+    s_off, d_off = starts + 7, starts + 3  # source and destination misaligned differently
+    remote, local = src.ctypes.data + s_off, dst.ctypes.data + d_off
+    want = np.zeros_like(src)
+    for a, b, n in zip(s_off.tolist(), d_off.tolist(), lengths.tolist()):
+        want[b : b + n] = src[a : a + n]
+    assert ucp.cma_read(0, remote, local, lengths, streaming=True) == int(lengths.sum())
+    assert np.array_equal(dst, want)
+    dst[:] = 0
+    assert ucp.cma_start(0, remote, local, lengths, streaming=True, cut_bytes=cut_bytes).result() == (int(lengths.sum()), 0)
+    assert np.array_equal(dst, want)
+
+
 def test_cma_start_wait_times_out_then_completes(peer: Peer) -> None:
     """wait(t) gives up after t while the read goes on; a later wait sees it over."""
     block = 2 * MiB

@@ -97,14 +97,16 @@ def _store_worker(name: str, engine: MiniEngine) -> StoreWorker:
 class _Gate:
     """Holds a store's loads or saves back at the :class:`~kvbridge.store.StoreIO` boundary until
     :meth:`open`: a fake slow medium (a medium that is slow on demand cannot be made real in a unit test);
-    the real load or save runs once the gate opens. ``entered`` is set when the first call reaches it."""
+    the real load or save runs once the gate opens. ``entered`` is set when the first call reaches it.
+    A load or save the store starts on native threads (``start_load``/``start_save``) runs at once, but
+    is not over until the gate opens."""
 
     def __init__(self, io: Any, method: str):
         self.io, self.method = io, method
         self.entered = threading.Event()
         self._open = threading.Event()
-        real = getattr(io, method)
-        self._shadowed = vars(io).get(method)  # an instance attribute of the io's own (a fault hook's)
+        self._shadowed: dict[str, Any] = {}  # instance attributes of the io's own (a fault hook's)
+        real, start = getattr(io, method), getattr(io, f"start_{method}")
 
         def gated(*args: Any, **kwargs: Any) -> Any:
             self.entered.set()
@@ -112,18 +114,44 @@ class _Gate:
                 raise TimeoutError(f"conformance gate on {method} never opened")
             return real(*args, **kwargs)
 
-        setattr(io, method, gated)
+        def gated_start(*args: Any, **kwargs: Any) -> Any:
+            started = start(*args, **kwargs)
+            if started is None:
+                return None
+            self.entered.set()
+            return _GatedRunning(started[0], self._open), started[1]
+
+        for name, fn in ((method, gated), (f"start_{method}", gated_start)):
+            self._shadowed[name] = vars(io).get(name)
+            setattr(io, name, fn)
 
     def open(self) -> None:
         self._open.set()
 
     def remove(self) -> None:
         self._open.set()
-        if self._shadowed is not None:
-            setattr(self.io, self.method, self._shadowed)
-        else:
-            with contextlib.suppress(AttributeError):
-                delattr(self.io, self.method)
+        for name, shadowed in self._shadowed.items():
+            if shadowed is not None:
+                setattr(self.io, name, shadowed)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(self.io, name)
+
+
+class _GatedRunning:
+    """A natively started transfer that is over only once it is, and the gate is open."""
+
+    def __init__(self, running: Any, gate: threading.Event):
+        self.running, self.gate = running, gate
+
+    def done(self) -> bool:
+        return self.gate.is_set() and bool(self.running.done())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        t0 = time.monotonic()
+        if not self.gate.wait(timeout):
+            return False
+        return bool(self.running.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))))
 
 
 @contextlib.contextmanager

@@ -76,16 +76,17 @@ def _file_instead_of(root: Path, *, recreate: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _failing_saves(io: Any, what: str) -> Iterator[None]:
-    """A fake, for a medium that is this process's memory and cannot fail for real: ``io.save`` raises."""
+    """A fake, for a medium that is this process's memory and cannot fail for real: ``io.save`` raises
+    (and no save starts on native threads: each goes to ``io.save``)."""
 
     def refuse(*_args: Any, **_kwargs: Any) -> None:
         raise TransferError(f"{what}: saves fail (injected by the conformance suite)")
 
-    io.save = refuse
+    io.save, io.start_save = refuse, lambda *_args, **_kwargs: None
     try:
         yield
     finally:
-        del io.save
+        del io.save, io.start_save
 
 
 # -- memory ----------------------------------------------------------------------------------------
