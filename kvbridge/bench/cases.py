@@ -94,7 +94,7 @@ def _chain(tmp: Path, point: Point) -> Target:
 
 BENCH: dict[str, BackendBench] = {
     "memory": BackendBench(("memcpy",)),
-    "cpu": BackendBench(("memcpy",), _cpu),
+    "cpu": BackendBench(("memcpy", "memcpy:nt"), _cpu),  # the cpu tier copies with streaming stores
     "chain": BackendBench(("file",), _chain, fresh=True),  # cpu then fs; the consumer reads fs: file's medium
     "fs": BackendBench(("file",)),
     # ucxx-wa: the medium the two-sided path rides (kvbridge/bench/ucx_baselines.py); UCX_PEERS: raw cma and ucp

@@ -97,6 +97,7 @@ DOUBTFUL = 1.5  # a ratio above this to the raw medium says more about the basel
 # what each baseline is, in plain words (the legend under the table); a name not here is described by its own row
 BASELINES: dict[str, str] = {
     "memcpy": "one torch copy of the same bytes in this process's memory (the medium of memory and cpu)",
+    "memcpy:nt": "the same bytes by kvbridge's native copy: streaming stores, cut between two threads (the fastest copy here)",
     "file": "one sequential write / readinto of the same bytes, one file in the store's directory (the medium of fs, and of chain: cpu then fs)",
     "tcp": "a plain TCP socket on loopback between two processes, sending the same bytes",
     "ucxx": "ucxx tag send/recv of one buffer between two processes (the library kvbridge's two-sided path uses)",
