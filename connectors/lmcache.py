@@ -9,38 +9,64 @@ tier of ``chain`` (e.g. ``cpu`` then ``lmcache``).
 this backend in a process with equal options (the scheduler side and the worker side of an engine,
 several engines in a test) uses it, reference-counted, and the last one to close closes it. Its CPU
 arena and its disk tier are private to that manager: LMCache indexes disk objects in memory, so
-another process (or a restart) never sees them. Only a **remote** tier is shared across processes,
-and it is what makes this backend a hand-off between engines; with the scheduler and the worker in
-different processes (vLLM), a lookup sees a block only once it reached the remote tier. Without a
-``remote_url`` the backend is an offload tier for one process.
+another process (or a restart) never sees them; the manager's *locators* (below) are private to it
+too. Only a **remote** tier is shared across processes, and it is what makes this backend a hand-off
+between engines; with the scheduler and the worker in different processes (vLLM), a lookup sees a
+block only once it reached the remote tier. Without a ``remote_url`` the backend is an offload tier
+for one process.
 
-**Objects.** One LMCache object per kvbridge block, keyed ``CacheEngineKey(model, world_size, rank,
-chunk_hash, uint8)`` where ``model`` is ``<model_name>-<sha256(namespace)[:16]>`` (safe for LMCache's
-``@``/``%``-separated key string and its 150-character limit whatever the namespace) and
-``chunk_hash`` is the block key (hashed to 32 bytes when longer). The value is a uint8 tensor
-``[1, 1, 1, HEADER_BYTES + num_layers * block_bytes]`` in format :data:`kvbridge.codec.LMCACHE`: a
-:data:`HEADER_BYTES` header (:data:`MAGIC`, format version, checksum kind, the payload's checksum
-and length, the layout fingerprint's digest and a digest of the full block key; byte layout in
-:mod:`kvbridge.codec`), then the block's bytes in every layer. A reader checks all of it before a
-byte reaches the KV cache; an object that fails is a failed block (``stats.corrupt``),
-and a damaged one is dropped from the tiers that can delete (CPU, disk; the ``lm://`` server cannot).
-Objects of another layout or format version are left alone.
+**Objects: one per chunk.** A save cuts its blocks into *chunks* as ``fs`` does: block ``i`` ends a
+chunk when ``crc32(key) % C == 0`` (``C = chunk_tokens // block_size`` blocks, so chunks are ``C``
+blocks long on average, as LMCache's own 256-token chunks), a property of the key alone, so every
+engine and every tier of a chain cuts a prompt alike. Each run of a save's blocks inside one chunk is
+one LMCache object — the whole chunk, or the part of it the save has: the prompt's last, unfinished
+chunk is an object of its own (a later request for the same prompt hits all of it), and the next step
+of a chunked prefill starts a new object where the last one ended (nothing is read back: the blocks
+before it stay in the object of the step before). An object holds at most ``2 * C`` blocks (a
+longer chunk is cut every ``2 * C`` blocks), so it fits the CPU arena, which must hold two of the
+largest (:class:`~kvbridge.errors.ConfigError` at ``register`` otherwise).
 
-**Saves** gather all blocks of the op in one vectorized copy, copy each block's slab into an object
-allocated from LMCache's CPU arena (LMCache's API is per object), ``batched_put`` them, and wait —
-bounded by ``timeout_s`` — until the disk and remote writes are done and the remote answers for the
-last of them (``lm://`` puts are unacknowledged), so a consumer can see them when the save returns. A full arena (nothing evictable) saves what fit and raises
+An object is keyed by its **last block**: ``CacheEngineKey(model, world_size, rank, chunk_hash,
+uint8)`` where ``model`` is ``<model_name>-<sha256(namespace)[:16]>-v2c<C>`` (safe for LMCache's
+``@``/``%``-separated key string and its 150-character limit whatever the namespace; the format
+version and ``C`` in it, so objects of format version 1 — one per block, written before — and of
+another chunk size are never found: misses, never errors) and ``chunk_hash`` is that block's key
+(hashed to 32 bytes when longer). The value is a uint8 tensor ``[1, 1, 1, n]`` in the chunk format
+:data:`kvbridge.codec.LMCACHE_CHUNK` (version 2): a header (magic, version, checksum kind, the layout
+fingerprint, per block its key and checksum, a checksum of the header itself), then the blocks, each
+its bytes in every layer.
+
+**Lookup: one** ``contains`` **per chunk.** The scheduler asks for the object keyed by each chunk's
+last block (the last key asked about ends the last chunk); the first chunk that is not there is
+searched by bisection for how far it goes, each probe asking whether a block is stored in *some*
+object: the object ending at it, else its **locator** — this manager's map from a block to the object
+holding it (written by its saves and loads, for its own tiers; bounded, the oldest forgotten first;
+an entry counts only while its object is still there), or, with a remote, a 64-byte locator object
+in the remote (written beside the chunk objects, for every block that does not end its object). So
+a prompt that shares only part of a chunk with a stored one still hits that part, in about ``n/C +
+log2(C)`` calls for ``n`` blocks. A hit says the object ending the chunk is there; a chunk split over
+several objects (a long chunk, a chunked prefill) whose earlier object was evicted alone is offered
+and then fails from that block (recomputed, never wrong bytes).
+
+**Saves** allocate each object in LMCache's CPU arena and copy the blocks straight from the KV cache
+into it (one ``index_select`` per layer into the object's block-major view: no staging buffer),
+checksum each block there (``crc32c`` where ``google-crc32c`` is installed, else ``crc32``), write
+the header, and put it at once, so LMCache's disk writer stores one object while the next is filled.
+The save then waits — bounded by ``timeout_s`` — until the disk and remote writes are done and the
+remote answers for the last of them (``lm://`` puts are unacknowledged), so a consumer can see them
+when the save returns. A full arena (nothing evictable) saves what fit and raises
 :class:`~kvbridge.errors.StoreFull` for the rest, never waits; a remote tier that is down or dropped
 writes fails the save (:class:`~kvbridge.errors.PeerUnreachable`); both are counted by the worker.
 
-Measured on a 2-core VM (Llama-3-8B geometry, 124 MiB per op, ``OMP_NUM_THREADS=1``): save/load
-0.18/0.19 GB/s through ``lm://`` on loopback and 0.33/0.46 GB/s through the disk tier, beside a 3.8 GB/s
-torch memcpy; the time goes to LMCache's transport (its event-loop thread, the Python server), not to
-kvbridge's copies and checksums.
-
-**Loads** find each key's tier (stopping at the first miss), ``batched_get`` each run of keys from
-its tier, validate, and write the blocks that passed in one ``layout.scatter``; every object LMCache
-hands out is released (``ref_count_down``) whatever happens.
+**Loads** find the object of each chunk (its locator, else the object ending the chunk, else the
+remote locator), ``batched_get`` them from their tiers in batches that fit half the arena (LMCache
+reads a disk or remote hit into the arena and, when it is full, waits for room forever), check each
+header, then each block's checksum in the arena object *before* it is copied, and copy the blocks
+that passed straight into the KV (one ``index_copy_`` per layer per object). A damaged block fails
+from itself on: the blocks before it load, it and the blocks after it are reported failed (the
+engine recomputes them), the object is counted in ``stats.corrupt`` and dropped from the tiers that
+can delete (CPU, disk; the ``lm://`` server cannot). Objects of another layout are left alone. Every
+object LMCache hands out is released (``ref_count_down``) whatever happens.
 
 **Failures.** A dead remote is a miss for lookups and failed blocks for loads, never a hang: kvbridge
 sets ``timeout_s`` on the ``lm://`` socket, drops a connection whose peer closed it, and reconnects at
@@ -51,6 +77,7 @@ serialized (the ``lm://`` client multiplexes one socket without framing its repl
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -61,6 +88,7 @@ import os
 import re
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -68,6 +96,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from kvbridge.connectors.fs import chunk_blocks, chunk_end
 
 from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
@@ -80,7 +109,7 @@ from kvbridge.errors import (
     StoreFull,
     TransferTimeout,
 )
-from kvbridge.layout import KVLayout, block_words
+from kvbridge.layout import KVLayout, block_words, coalesce
 from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -92,16 +121,21 @@ if importlib.util.find_spec("lmcache") is None:
 
 log = logging.getLogger(__name__)
 
-FORMAT = codec.LMCACHE
+FORMAT = codec.LMCACHE_CHUNK
 MAGIC = FORMAT.magic
-VERSION = codec.VERSION
-HEADER_BYTES = FORMAT.header_bytes  # keeps the payload 8-byte aligned
+VERSION = FORMAT.version
+HEADER_BYTES = FORMAT.align  # the unit of a header's length (a chunk object's header is a multiple of it)
 _KEY_LIMIT = 150  # LMCache asserts on longer key strings
-_MAX_HASH = 32  # longer block keys are hashed to this many bytes (the header keeps a digest of the full key)
+_MAX_HASH = 32  # longer block keys are hashed to this many bytes (the header keeps the full key)
+_MAX_BLOCKS = 0xFFFF  # blocks per object the header can count
 _MODEL_NAME = re.compile(r"[A-Za-z0-9._-]{1,40}")
 _REMOTE = "RemoteBackend"
-_CPU = "LocalCPUBackend"
 _DELETABLE = ("LocalCPUBackend", "LocalDiskBackend")
+_MIN_LOCATORS = 1 << 16  # block -> object entries a manager keeps at least
+# a locator object in the remote: magic, version, blocks in the object, the block's position in it, length of the
+# object's chunk hash, a digest of the block key, the object's chunk hash (zero-padded)
+_LOCATOR = struct.Struct("<8sHHHH16s32s")
+_LOCATOR_MAGIC = b"KVBRLL\r\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +144,16 @@ class LMCacheOptions:
 
     ``remote_url``: an LMCache remote (``lm://host:port``, ``redis://host:port``, …); the only tier
     shared across processes. ``local_cpu_bytes``: LMCache's CPU arena, allocated up front; every
-    object passes through it, so it must hold at least one block (the saves of one step are put in
-    batches that fit). ``cpu_cache``: also keep saved and loaded blocks in that arena (a hot tier,
-    LRU-evicted); off, it is only a staging buffer. ``local_disk`` + ``local_disk_bytes``: a disk tier
-    in that directory (private to the process). ``model_name``: a readable label in every LMCache key
-    (the namespace digest follows it). ``timeout_s``: the longest a save waits for its writes, and a
-    remote call for its reply. ``reconnect_s``: how often to retry a remote that went away.
-    ``checksum``: ``crc32`` or ``crc32c`` (``pip install google-crc32c``).
+    object passes through it, so it must hold two of the largest (``2 * chunk_tokens`` tokens of KV
+    each). ``cpu_cache``: also keep saved and loaded objects in that arena (a hot tier, LRU-evicted);
+    off, it is only a staging buffer. ``local_disk`` + ``local_disk_bytes``: a disk tier in that
+    directory (private to the process). ``model_name``: a readable label in every LMCache key (the
+    namespace digest follows it). ``timeout_s``: the longest a save waits for its writes, and a remote
+    call for its reply. ``reconnect_s``: how often to retry a remote that went away. ``checksum``:
+    ``crc32`` or ``crc32c`` (hardware, ``pip install google-crc32c``; the default where installed);
+    readers verify whichever kind an object names. ``chunk_tokens``: tokens per object on average (in
+    whole blocks, at least one); engines find each other's objects only with the same number of blocks
+    per chunk.
     """
 
     remote_url: str = ""
@@ -127,7 +164,8 @@ class LMCacheOptions:
     model_name: str = "kvbridge"
     timeout_s: float = 30.0
     reconnect_s: float = 10.0
-    checksum: Literal["crc32", "crc32c"] = "crc32"
+    checksum: Literal["crc32", "crc32c"] = dataclasses.field(default_factory=codec.default_checksum)
+    chunk_tokens: int = 256
 
     def __post_init__(self) -> None:
         require(
@@ -149,6 +187,10 @@ class LMCacheOptions:
         )
         require(self.timeout_s > 0, f"lmcache option 'timeout_s' must be > 0, got {self.timeout_s}")
         require(self.reconnect_s >= 0, f"lmcache option 'reconnect_s' must be >= 0, got {self.reconnect_s}")
+        require(
+            isinstance(self.chunk_tokens, int) and 1 <= self.chunk_tokens <= 1 << 15,
+            f"lmcache option 'chunk_tokens' must be in [1, 32768], got {self.chunk_tokens!r}",
+        )
 
 
 # -- LMCache, imported once and lazily -------------------------------------------------------------
@@ -222,6 +264,9 @@ class _Manager:
         self.sm = lib.StorageManager(config, metadata, lib.EventManager())
         self.lock = threading.Lock()
         self.users = 0
+        # locators of this manager's tiers: block key -> (key of the object holding it, its blocks, the block's place)
+        self.where: collections.OrderedDict[Any, tuple[Any, int, int]] = collections.OrderedDict()
+        self.where_cap = _MIN_LOCATORS
         self._next_connect = 0.0
         self._arm_socket()
 
@@ -259,6 +304,15 @@ class _Manager:
             self._arm_socket()
         return remote.connection is not None
 
+    def remember(self, obj_key: Any, block_keys: Sequence[Any]) -> None:
+        """Note (with :attr:`lock` held) that the object ``obj_key`` holds ``block_keys``, in order."""
+        where, n = self.where, len(block_keys)
+        for pos, key in enumerate(block_keys):
+            where[key] = (obj_key, n, pos)
+            where.move_to_end(key)
+        while len(where) > self.where_cap:
+            where.popitem(last=False)
+
     def drain(self, keys: Sequence[Any]) -> None:
         """Wait until no tier still writes ``keys`` (LMCache's puts to disk and remote are fire-and-forget)."""
         deadline = time.monotonic() + self.options.timeout_s
@@ -269,7 +323,7 @@ class _Manager:
                     if time.monotonic() > deadline:
                         raise TransferTimeout(f"lmcache: {backend} still writing after {self.options.timeout_s}s")
                     time.sleep(pause)
-                    pause = min(pause * 2, 0.005)
+                    pause = min(pause * 2, 0.001)
 
     def close(self) -> None:
         self.sm.close()  # stops and joins LMCache's (non-daemon) event-loop thread
@@ -311,25 +365,58 @@ def _close_all() -> None:
 getattr(threading, "_register_atexit", atexit.register)(_close_all)
 
 
-def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` of uint8 rows, as int64 words where size and alignment allow (faster copies)."""
-    dw, sw = block_words(dst), block_words(src)
-    if dw is not None and sw is not None:
-        dw.copy_(sw)
-    else:
-        dst.copy_(src)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _layer_views(layout: KVLayout) -> list[torch.Tensor] | None:
+    """Per layer, a view ``[num_blocks, ...]`` of the KV that moves a block as plain integers: rows of int64
+    words where a block is one stretch of memory (faster copies), else the block's own shape as integers of
+    the element's width (``kv_first``: K and V apart). ``None`` for a KV that is not in host memory."""
+    if layout.device.type != "cpu":
+        return None
+    views = []
+    for v in layout.layers:
+        rows = block_words(v)
+        if rows is None:
+            bits = _BITS[v.element_size()]
+            rows = v if v.dtype == bits else v.view(bits)
+        views.append(rows)
+    return views
+
+
+def _object_side(kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks`` (uint8 ``[k, block_bytes]``, one layer's bytes of ``k`` blocks in an object, rows may be
+    apart) viewed to match ``kv`` (a :func:`_layer_views` entry): the same dtype and block shape."""
+    return blocks.view(kv.dtype).view(blocks.shape[0], *kv.shape[1:])
+
+
+@dataclasses.dataclass
+class _Want:
+    """An object a load reads: its key and tier, the load's block ``at`` it should hold, how many blocks of
+    the load it should hold from there, its size at most, and whether it was found by the chunk's end alone."""
+
+    key: Any
+    tier: str
+    at: int
+    count: int
+    nbytes: int
+    by_end: bool
 
 
 class _Handle:
-    """One engine side's view of its (shared) LMCache ``StorageManager``: its keys and its session."""
+    """One engine side's view of its (shared) LMCache ``StorageManager``: its keys, chunks and session."""
 
     engine: EngineInfo
 
     def __init__(self, engine: EngineInfo, options: LMCacheOptions):
         self.options = options
         self._lib = _lmcache()
-        self._model = f"{options.model_name}-{hashlib.sha256(engine.namespace.encode()).hexdigest()[:16]}"
-        longest = self._lib.CacheEngineKey(self._model, engine.kv_world_size, engine.kv_rank, bytes(_MAX_HASH), torch.uint8)
+        self.chunk = chunk_blocks(engine.block_size, options.chunk_tokens)
+        self.max_blocks = 1 if self.chunk == 1 else min(2 * self.chunk, _MAX_BLOCKS)
+        ns = hashlib.sha256(engine.namespace.encode()).hexdigest()[:16]
+        self._model = f"{options.model_name}-{ns}-v{VERSION}c{self.chunk}"
+        self._locator_model = f"{self._model}-l"
+        longest = self._lib.CacheEngineKey(self._locator_model, engine.kv_world_size, engine.kv_rank, bytes(_MAX_HASH), torch.uint8)
         if len(longest.to_string()) > _KEY_LIMIT:
             raise ConfigError(f"lmcache keys of {self._model!r} would exceed LMCache's {_KEY_LIMIT} characters")
         self._manager: _Manager | None = _acquire(options)
@@ -339,10 +426,19 @@ class _Handle:
         """The LMCache ``StorageManager`` behind this store (shared; for diagnostics and tests)."""
         return self._open().sm
 
+    @staticmethod
+    def _hash(key: bytes) -> bytes:
+        return key if 0 < len(key) <= _MAX_HASH else hashlib.blake2b(key, digest_size=_MAX_HASH).digest()
+
     def lmcache_key(self, key: bytes) -> Any:
-        """The LMCache ``CacheEngineKey`` that holds block ``key`` of this engine's namespace and rank."""
-        chunk = key if 0 < len(key) <= _MAX_HASH else hashlib.blake2b(key, digest_size=_MAX_HASH).digest()
-        return self._lib.CacheEngineKey(self._model, self.engine.kv_world_size, self.engine.kv_rank, chunk, torch.uint8)
+        """The LMCache ``CacheEngineKey`` of the object that ends with block ``key`` (of this engine's
+        namespace, chunk size and rank); also what a manager's locators know the block by."""
+        return self._lib.CacheEngineKey(self._model, self.engine.kv_world_size, self.engine.kv_rank, self._hash(key), torch.uint8)
+
+    def locator_key(self, key: bytes) -> Any:
+        """The LMCache key of block ``key``'s locator object in the remote tier."""
+        return self._lib.CacheEngineKey(self._locator_model, self.engine.kv_world_size, self.engine.kv_rank, self._hash(key),
+                                        torch.uint8)
 
     def _open(self) -> _Manager:
         if self._manager is None:
@@ -356,6 +452,39 @@ class _Handle:
             manager.check_remote()
             yield manager
 
+    @staticmethod
+    def _remote_up(m: _Manager) -> bool:
+        return m.remote is not None and m.remote.connection is not None
+
+    def _holder(self, m: _Manager, key: bytes) -> tuple[Any, int, int] | None:
+        """Where block ``key`` is, by a locator: ``(object key, its blocks, the block's place)`` of an object
+        that is there now; ``None`` if no locator names one. The manager's own, then the remote's."""
+        held = m.where.get(self.lmcache_key(key))
+        if held is not None and m.sm.contains(held[0]) is not None:
+            return held
+        if not self._remote_up(m) or m.sm.contains(self.locator_key(key), search_range=[_REMOTE]) is None:
+            return None
+        got = m.sm.batched_get([self.locator_key(key)], location=_REMOTE) or [None]
+        obj = got[0]
+        if obj is None:
+            return None
+        try:
+            raw = obj.tensor.view(-1).numpy().tobytes() if obj.tensor is not None else b""
+        finally:
+            obj.ref_count_down()
+        if len(raw) < _LOCATOR.size:
+            return None
+        magic, version, count, pos, length, digest, chunk = _LOCATOR.unpack_from(raw)
+        if magic != _LOCATOR_MAGIC or version != VERSION or digest != codec.key_digest(key) or not pos < count:
+            log.debug("lmcache: the remote locator of a block is not one (%r); ignored", raw[:16])
+            return None
+        if not 0 < length <= _MAX_HASH:
+            return None
+        target = self._lib.CacheEngineKey(self._model, self.engine.kv_world_size, self.engine.kv_rank, chunk[:length], torch.uint8)
+        if m.sm.contains(target) is None:
+            return None
+        return target, count, pos
+
     def close(self) -> None:
         manager, self._manager = self._manager, None
         if manager is not None:
@@ -363,150 +492,349 @@ class _Handle:
 
 
 class LMCacheIndex(_Handle, StoreIndex):
-    """Scheduler side: which keys LMCache holds, from the first."""
+    """Scheduler side: which keys LMCache holds, from the first; one ``contains`` per chunk (module docstring)."""
 
     def __init__(self, engine: EngineInfo, options: LMCacheOptions):
         StoreIndex.__init__(self, engine)
         _Handle.__init__(self, engine, options)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        with self._session() as m:
-            for key in keys:
-                if m.sm.contains(self.lmcache_key(key)) is None:  # LMCache answers a failed remote as a miss
-                    break
-                n += 1
-        return n
+        with self._session() as m:  # (LMCache answers a failed remote as a miss)
+            n, total = 0, len(keys)
+            while n < total:
+                end = chunk_end(keys, n, self.chunk)
+                if m.sm.contains(self.lmcache_key(keys[end])) is not None:  # the object ending the chunk is there
+                    n = end + 1
+                    continue
+                if not self._stored(m, keys[n]):
+                    return n
+                if end == n:
+                    n += 1
+                    continue
+                # the chunk's first block here is stored, its last is not: bisect. A block in an object proves the
+                # blocks before it in its chunk (saved with it, or before it by the same prompt).
+                lo, hi = n, end
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    if self._stored(m, keys[mid]):
+                        lo = mid
+                    else:
+                        hi = mid
+                return lo + 1
+            return n
+
+    def _stored(self, m: _Manager, key: bytes) -> bool:
+        """Whether block ``key`` is in some object: one ending with it, or one a locator names."""
+        if m.sm.contains(self.lmcache_key(key)) is not None:
+            return True
+        held = m.where.get(self.lmcache_key(key))
+        if held is not None and m.sm.contains(held[0]) is not None:
+            return True
+        return self._remote_up(m) and m.sm.contains(self.locator_key(key), search_range=[_REMOTE]) is not None
 
 
 class LMCacheStore(_Handle, StoreIO):
-    """Worker side: block objects in and out of LMCache. See the module docstring."""
+    """Worker side: chunk objects in and out of LMCache. See the module docstring."""
 
     def __init__(self, engine: EngineInfo, options: LMCacheOptions):
         StoreIO.__init__(self, engine)
         _Handle.__init__(self, engine, options)
         self._kind = codec.CHECKSUMS[options.checksum]
-        self._staging = StagingPool()  # host buffers between the KV and LMCache's objects
+        self._staging = StagingPool()  # a KV that is not in host memory: gathered and scattered through host buffers
+        self._views: tuple[KVLayout, list[torch.Tensor] | None] | None = None
 
+    # -- geometry ------------------------------------------------------------------------------------
     def attach(self, layout: KVLayout) -> None:
-        size = HEADER_BYTES + layout.num_layers * layout.block_bytes
-        if size > self.options.local_cpu_bytes or size >= 1 << 31:
+        biggest = self._object_bytes(layout, self.max_blocks)
+        if 2 * biggest > self.options.local_cpu_bytes or biggest >= 1 << 31:
             raise ConfigError(
-                f"lmcache: one block object is {size} bytes; local_cpu_bytes={self.options.local_cpu_bytes} "
-                "must hold at least one (and LMCache's wire format stays under 2 GiB)"
+                f"lmcache: an object holds up to {self.max_blocks} blocks ({biggest} bytes: chunk_tokens="
+                f"{self.options.chunk_tokens}, block_size={layout.fingerprint.block_size}); local_cpu_bytes="
+                f"{self.options.local_cpu_bytes} must hold two (raise it, or lower chunk_tokens), and LMCache's wire "
+                "format stays under 2 GiB"
             )
+        payload = layout.num_layers * layout.block_bytes
+        local = (self.options.local_cpu_bytes if self.options.cpu_cache else 0) + self.options.local_disk_bytes
+        m = self._open()
+        with m.lock:  # room for a locator per block the local tiers can hold, twice over
+            m.where_cap = max(m.where_cap, 2 * local // max(1, payload))
+        self._layer_views(layout)
 
+    def _layer_views(self, layout: KVLayout) -> list[torch.Tensor] | None:
+        if self._views is None or self._views[0] is not layout:
+            self._views = (layout, _layer_views(layout))
+        return self._views[1]
+
+    @staticmethod
+    def _object_bytes(layout: KVLayout, blocks: int) -> int:
+        """The most bytes an object of ``blocks`` blocks takes (keys of up to 64 bytes)."""
+        return FORMAT.header_length([bytes(64)] * blocks, layout.fingerprint) + blocks * layout.num_layers * layout.block_bytes
+
+    def _pieces(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
+        """The objects a save of ``keys`` writes, as ``[a, b)`` ranges: cut where a block ends a chunk, every
+        :attr:`max_blocks` blocks, and at the end."""
+        out = []
+        a, n = 0, len(keys)
+        while a < n:
+            b = min(chunk_end(keys, a, self.chunk) + 1, a + self.max_blocks)
+            out.append((a, b))
+            a = b
+        return out
+
+    # -- saves ---------------------------------------------------------------------------------------
+    def save(self, op: BlockSave, layout: KVLayout) -> None:
+        if not op.keys:
+            return
+        ids = layout.check_range(op.block_ids)
+        if self._layer_views(layout) is None:  # not in host memory: gathered over once, copied from there
+            with self._staging.gathered(layout, op.block_ids) as host:
+                self._store(op, layout, ids, host)
+        else:
+            self._store(op, layout, ids, None)
+
+    def _store(self, op: BlockSave, layout: KVLayout, ids: np.ndarray, host: torch.Tensor | None) -> None:
+        lkeys = [self.lmcache_key(k) for k in op.keys]
+        pieces = self._pieces(op.keys)
+        with self._session() as m:
+            up = m.remote is None or m.remote.connection is not None
+            failed_before = m.remote.put_failed_count if m.remote is not None else 0
+            put: list[int] = []  # pieces handed to LMCache (it owns those objects now)
+            try:
+                for p, (a, b) in enumerate(pieces):
+                    obj = self._allocate(m, FORMAT.header_length(op.keys[a:b], layout.fingerprint) + (b - a) * layout.num_layers
+                                         * layout.block_bytes)
+                    if obj is None and put:  # the arena is full of this save's writes: let them land, then retry
+                        m.drain([lkeys[pieces[q][1] - 1] for q in put])
+                        obj = self._allocate(m, FORMAT.header_length(op.keys[a:b], layout.fingerprint)
+                                             + (b - a) * layout.num_layers * layout.block_bytes)
+                    if obj is None:
+                        raise StoreFull(
+                            f"lmcache: CPU arena ({self.options.local_cpu_bytes} B) has no room for an object of {b - a} "
+                            f"blocks; saved {a} of {len(op.keys)} blocks of {op.request_id}"
+                        )
+                    try:
+                        self._fill(obj, op.keys[a:b], ids[a:b], layout, None if host is None else host[:, a:b])
+                    except BaseException:
+                        obj.ref_count_down()
+                        raise
+                    m.sm.batched_put([lkeys[b - 1]], [obj])  # at once: LMCache writes it while the next is filled
+                    put.append(p)
+            finally:
+                ends = [lkeys[pieces[q][1] - 1] for q in put]
+                if ends:
+                    m.drain(ends)
+                    # A finished put was only *sent*: the lm:// protocol has no acknowledgement, and a reader on
+                    # another connection could ask before the server took it. The server answers one connection in
+                    # order, so a lookup of the last key on ours returns once every put before it landed.
+                    self._locate_saved(m, [pieces[q] for q in put], op.keys, lkeys)
+            if m.remote is not None and (not up or m.remote.connection is None or m.remote.put_failed_count > failed_before):
+                raise PeerUnreachable(f"lmcache remote {self.options.remote_url} did not take the blocks of {op.request_id}")
+
+    def _allocate(self, m: _Manager, nbytes: int) -> Any:
+        return m.sm.allocate(torch.Size([1, 1, 1, nbytes]), torch.uint8, fmt=self._lib.KV_2LTD, eviction=True, busy_loop=False)
+
+    def _fill(self, obj: Any, keys: Sequence[bytes], ids: np.ndarray, layout: KVLayout, host: torch.Tensor | None) -> None:
+        """Write blocks ``ids`` (keys ``keys``) into ``obj``: straight from the KV (or ``host``), then their
+        checksums and the header."""
+        k, payload = len(keys), layout.num_layers * layout.block_bytes
+        flat = obj.tensor.view(-1)
+        start = FORMAT.header_length(keys, layout.fingerprint)
+        body = flat[start : start + k * payload].view(k, layout.num_layers, layout.block_bytes)
+        views = self._layer_views(layout)
+        if host is not None or views is None:
+            assert host is not None
+            body.copy_(host.transpose(0, 1))
+        else:
+            runs = coalesce(ids)
+            idx = None if len(runs) == 1 else torch.from_numpy(ids)
+            for layer, kv in enumerate(views):
+                dst = _object_side(kv, body[:, layer])
+                if idx is None:
+                    dst.copy_(kv.narrow(0, runs[0][0], k))
+                else:
+                    torch.index_select(kv, 0, idx, out=dst)
+        arr = flat.numpy()
+        sums = [codec.checksum(self._kind, [arr[start + i * payload : start + (i + 1) * payload]]) for i in range(k)]
+        arr[:start] = np.frombuffer(FORMAT.pack(keys, layout.fingerprint, sums, self._kind), dtype=np.uint8)
+
+    def _locate_saved(self, m: _Manager, pieces: Sequence[tuple[int, int]], keys: Sequence[bytes], lkeys: Sequence[Any]) -> None:
+        """After a save's puts: this manager's locators for its blocks, and the remote's (then the remote's
+        answer for the last of them, which comes once every put before it landed)."""
+        local = [name for name in m.sm.storage_backends if name != _REMOTE]
+        for a, b in pieces:
+            obj_key = lkeys[b - 1]
+            for pos in range(b - a):
+                held = m.where.get(lkeys[a + pos])
+                if held is not None and held[0] != obj_key and local and m.sm.contains(held[0], search_range=local) is not None:
+                    continue  # it is in an object that is still here (LMCache keeps the first object put under a key)
+                m.where[lkeys[a + pos]] = (obj_key, b - a, pos)
+                m.where.move_to_end(lkeys[a + pos])
+        while len(m.where) > m.where_cap:
+            m.where.popitem(last=False)
+        last = lkeys[pieces[-1][1] - 1]
+        if not self._remote_up(m):
+            return
+        locators, objs = [], []
+        try:
+            for a, b in pieces:
+                chunk = self._hash(keys[b - 1])
+                for pos in range(b - a - 1):  # the block ending an object is found by the object itself
+                    obj = self._allocate(m, _LOCATOR.size)
+                    if obj is None:
+                        break
+                    objs.append(obj)
+                    raw = _LOCATOR.pack(_LOCATOR_MAGIC, VERSION, b - a, pos, len(chunk), codec.key_digest(keys[a + pos]), chunk)
+                    obj.tensor.view(-1).numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
+                    locators.append(self.locator_key(keys[a + pos]))
+        except BaseException:
+            for obj in objs:
+                obj.ref_count_down()
+            raise
+        if locators:
+            m.sm.batched_put(locators, objs, location=_REMOTE)
+            m.drain(locators)
+            last = locators[-1]
+        if self._remote_up(m) and m.sm.contains(last, search_range=[_REMOTE]) is None:
+            raise PeerUnreachable(f"lmcache remote {m.options.remote_url} does not hold what was just put")
+
+    # -- loads ---------------------------------------------------------------------------------------
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
-        keys = [self.lmcache_key(k) for k in op.keys]
-        with self._staging.lend(layout, len(keys)) as staging:
-            good = self._fetch(op, keys, layout, staging)
-            if good:  # one vectorized scatter of the blocks that passed validation, and only those
-                layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
+        if not op.keys:
+            return op.block_ids
+        ids = layout.check_range(op.block_ids)
+        if self._layer_views(layout) is None:  # not in host memory: through a host buffer, one scatter at the end
+            with self._staging.lend(layout, len(ids)) as host:
+                good = self._fetch(op, layout, ids, host)
+                if good:
+                    layout.scatter(op.block_ids[:good], host[:, :good].to(layout.device))
+        else:
+            good = self._fetch(op, layout, ids, None)
         return op.block_ids[good:]
 
-    def _fetch(self, op: BlockLoad, keys: list[Any], layout: KVLayout, staging: torch.Tensor) -> int:
-        """Copy the objects of ``keys`` that pass validation into ``staging``, from the first; how many."""
-        # LMCache reads a disk or remote hit into its CPU arena and, when the arena is full, waits for
-        # room forever: fetch in batches that fit in half of it, and give each batch back before the next.
-        per = max(1, (self.options.local_cpu_bytes // 2) // (HEADER_BYTES + layout.num_layers * layout.block_bytes))
-        good = 0
-        with self._session() as m:
-            where = []
-            for key in keys:  # a prefix: the engine recomputes from the first block that is missing
+    def _find(self, m: _Manager, keys: Sequence[bytes], i: int, tried: set[int], layout: KVLayout) -> _Want | None:
+        """The object to read block ``keys[i]`` of a load from: its locator's, else the one ending its chunk."""
+        held = m.where.get(self.lmcache_key(keys[i]))
+        if held is None or m.sm.contains(held[0]) is None:
+            held = None
+            if i not in tried:
+                end = chunk_end(keys, i, self.chunk)
+                key = self.lmcache_key(keys[end])
                 tier = m.sm.contains(key)
-                if tier is None:
+                if tier is not None:
+                    return _Want(key, tier, i, end - i + 1, self._object_bytes(layout, self.max_blocks), True)
+            held = self._holder(m, keys[i])
+            if held is None:
+                return None
+        key, count, pos = held
+        tier = m.sm.contains(key)
+        if tier is None:
+            return None
+        return _Want(key, tier, i, max(1, min(count - pos, len(keys) - i)), self._object_bytes(layout, count), False)
+
+    def _fetch(self, op: BlockLoad, layout: KVLayout, ids: np.ndarray, host: torch.Tensor | None) -> int:
+        """Copy the blocks of ``op`` that pass their checks into the KV (or ``host``), from the first; how many."""
+        # LMCache reads a disk or remote hit into its CPU arena and, when the arena is full, waits for room
+        # forever: fetch in batches that fit in half of it, and give each batch back before the next.
+        budget = self.options.local_cpu_bytes // 2
+        n, good = len(op.keys), 0
+        tried: set[int] = set()  # blocks the object ending their chunk turned out not to hold
+        with self._session() as m:
+            for _ in range(2 * n + 2):  # each round loads a block, or rules a way to one out, or ends
+                if good >= n:
                     break
-                where.append(tier)
-            while good < len(where):
-                end = good
-                while end < len(where) and end - good < per and where[end] == where[good]:
-                    end += 1  # one batched_get per run of keys held by the same tier
-                got = m.sm.batched_get(keys[good:end], location=where[good]) or []
+                plan: list[_Want] = []
+                used, i = 0, good
+                while i < n:
+                    want = self._find(m, op.keys, i, tried, layout)
+                    if want is None or (plan and used + want.nbytes > budget):
+                        break
+                    plan.append(want)
+                    used += want.nbytes
+                    i += want.count
+                if not plan:
+                    break
+                got: list[Any] = []
                 try:
-                    for i, obj in enumerate(got, start=good):
-                        if obj is None:
+                    for tier, group in _runs(plan):  # one batched_get per run of objects in the same tier
+                        objs = m.sm.batched_get([w.key for w in group], location=tier) or []
+                        got.extend([*objs, *[None] * (len(group) - len(objs))][: len(group)])
+                    go_on = True
+                    for want, obj in zip(plan, got):
+                        if want.at != good:  # an object held fewer of the load's blocks than its locator said
                             break
-                        try:
-                            payload = self._validate(op.keys[i], obj, layout)
-                        except Corrupted as bad:
-                            self._reject(m, keys[i], where[i], bad)
+                        if obj is None:  # gone since it was found (evicted, a dead remote)
+                            go_on = False
                             break
-                        _copy_rows(staging[:, i], payload)  # LMCache's API is per object
-                        good += 1
+                        taken, go_on = self._take(m, want, obj, op, layout, ids, host, tried)
+                        good += taken
+                        if not go_on or taken < want.count:
+                            break
                 finally:
                     for obj in got:
                         if obj is not None:
                             obj.ref_count_down()
-                if good < end:
+                if not go_on:
                     break
         return good
 
-    def save(self, op: BlockSave, layout: KVLayout) -> None:
-        if not op.keys:
-            return
-        with self._staging.gathered(layout, op.block_ids) as staging:
-            self._store(op, layout, staging)
-
-    def _store(self, op: BlockSave, layout: KVLayout, staging: torch.Tensor) -> None:
-        """Put the blocks of ``op`` (gathered in ``staging``) into LMCache, one object each."""
-        shape = torch.Size([1, 1, 1, HEADER_BYTES + layout.num_layers * layout.block_bytes])
-        keys = [self.lmcache_key(k) for k in op.keys]
-        with self._session() as m:
-            up = m.remote is None or m.remote.connection is not None
-            failed_before = m.remote.put_failed_count if m.remote is not None else 0
-            batch: list[tuple[Any, Any]] = []
-            stored = 0
+    def _take(self, m: _Manager, want: _Want, obj: Any, op: BlockLoad, layout: KVLayout, ids: np.ndarray,
+              host: torch.Tensor | None, tried: set[int]) -> tuple[int, bool]:
+        """Check object ``obj`` and copy the load's blocks it holds from ``want.at`` on; ``(blocks copied,
+        whether the load may go on)``."""
+        i = want.at
+        try:
+            t = obj.tensor
+            if t is None or t.dtype != torch.uint8 or not t.is_contiguous():
+                raise Corrupted(f"not a kvbridge object ({None if t is None else (t.dtype, tuple(t.shape))})", damaged=True)
+            flat = t.view(-1)
+            arr = flat.numpy()
+            size = int(flat.numel())
+            length = FORMAT.header_bytes(arr[: min(size, codec.MAX_HEADER)], size)
+            chunk = FORMAT.parse(arr[:length], fingerprint=layout.fingerprint, size=size)
+            if self.lmcache_key(chunk.keys[-1]) != want.key:
+                raise Corrupted("object holds another key", damaged=True)
+        except Corrupted as bad:
+            self._reject(m, want.key, want.tier, bad)
+            return 0, False
+        m.remember(want.key, [self.lmcache_key(k) for k in chunk.keys])
+        key = op.keys[i]
+        if key not in chunk.keys:  # an object of a later part of the chunk: the block is elsewhere, or nowhere
+            if want.by_end:
+                tried.add(i)
+                return 0, True
+            return 0, False
+        pos = chunk.keys.index(key)
+        count = 1
+        while pos + count < len(chunk.keys) and i + count < len(op.keys) and chunk.keys[pos + count] == op.keys[i + count]:
+            count += 1
+        good = count
+        for j in range(count):  # each block checked before it is copied
             try:
-                for i, key in enumerate(keys):
-                    obj = m.sm.allocate(shape, torch.uint8, fmt=self._lib.KV_2LTD, eviction=True, busy_loop=False)
-                    if obj is None and batch:  # the arena is full of this save: put it, then its objects are evictable
-                        stored += self._put(m, batch)
-                        obj = m.sm.allocate(shape, torch.uint8, fmt=self._lib.KV_2LTD, eviction=True, busy_loop=False)
-                    if obj is None:
-                        raise StoreFull(
-                            f"lmcache: CPU arena ({self.options.local_cpu_bytes} B) has no room for a {shape[-1]} B "
-                            f"object; saved {stored} of {len(keys)} blocks of {op.request_id}"
-                        )
-                    batch.append((key, obj))
-                    self._fill(obj.tensor.view(-1), op.keys[i], layout, staging[:, i])
-                stored += self._put(m, batch)
-            finally:
-                for _, obj in batch:  # only objects never handed to LMCache are left here
-                    obj.ref_count_down()
-            if m.remote is not None and (not up or m.remote.connection is None or m.remote.put_failed_count > failed_before):
-                raise PeerUnreachable(
-                    f"lmcache remote {self.options.remote_url} did not take the blocks of {op.request_id}"
-                )
+                chunk.verify(pos + j, [arr[chunk.offset(pos + j) : chunk.offset(pos + j + 1)]])
+            except Corrupted as bad:
+                self._reject(m, want.key, want.tier, bad)
+                good = j
+                break
+        if good:
+            body = flat[chunk.header_bytes :].view(len(chunk.keys), layout.num_layers, layout.block_bytes)[pos : pos + good]
+            self._scatter(layout, ids[i : i + good], body, None if host is None else host[:, i : i + good])
+        return good, good == count
 
-    @staticmethod
-    def _put(m: _Manager, batch: list[tuple[Any, Any]]) -> int:
-        """Hand ``batch`` (and our references to it) to LMCache and wait for its writes; empties it."""
-        keys, objs = [k for k, _ in batch], [o for _, o in batch]
-        batch.clear()
-        m.sm.batched_put(keys, objs)
-        m.drain(keys)
-        # A finished put was only *sent*: the lm:// protocol has no acknowledgement, and a reader on another
-        # connection could ask before the server took it. The server answers one connection in order, so a
-        # lookup of the last key on ours returns once every put before it landed.
-        if m.remote is not None and m.remote.connection is not None and m.sm.contains(keys[-1], search_range=[_REMOTE]) is None:
-            raise PeerUnreachable(f"lmcache remote {m.options.remote_url} does not hold what was just put")
-        return len(keys)
-
-    def _fill(self, flat: torch.Tensor, key: bytes, layout: KVLayout, block: torch.Tensor) -> None:
-        body = flat[HEADER_BYTES:]
-        _copy_rows(body.view(block.shape), block)
-        header = FORMAT.pack(key, layout.fingerprint, [body.numpy()], self._kind)
-        flat[:HEADER_BYTES].numpy()[:] = np.frombuffer(header, dtype=np.uint8)
-
-    def _validate(self, key: bytes, obj: Any, layout: KVLayout) -> torch.Tensor:
-        """The payload of ``obj`` as ``[num_layers, block_bytes]`` uint8, or :class:`Corrupted`."""
-        t = obj.tensor
-        if t is None or t.dtype != torch.uint8 or not t.is_contiguous():
-            raise Corrupted(f"not a kvbridge object ({None if t is None else (t.dtype, tuple(t.shape))})", damaged=True)
-        flat = t.view(-1)
-        body = flat[HEADER_BYTES:]
-        FORMAT.check(flat[:HEADER_BYTES].numpy(), key=key, fingerprint=layout.fingerprint, parts=[body.numpy()], size=flat.numel())
-        return body.view(layout.num_layers, layout.block_bytes)
+    def _scatter(self, layout: KVLayout, ids: np.ndarray, body: torch.Tensor, host: torch.Tensor | None) -> None:
+        """Copy ``body`` (uint8 ``[k, num_layers, block_bytes]``, in an object) into blocks ``ids`` (or ``host``)."""
+        if host is not None:
+            host.copy_(body.transpose(0, 1))
+            return
+        views = self._layer_views(layout)
+        assert views is not None
+        runs = coalesce(ids)
+        idx = None if len(runs) == 1 else torch.from_numpy(ids)
+        for layer, kv in enumerate(views):
+            src = _object_side(kv, body[:, layer])
+            if idx is None:
+                kv.narrow(0, runs[0][0], len(ids)).copy_(src)
+            else:
+                kv.index_copy_(0, idx, src)
 
     def _reject(self, m: _Manager, key: Any, tier: str, bad: Corrupted) -> None:
         self.stats.add(corrupt=1)
@@ -514,9 +842,48 @@ class LMCacheStore(_Handle, StoreIO):
         if bad.damaged:  # the remote cannot delete; CPU (a write-back copy) and disk can
             m.sm.remove(key, locations=list(_DELETABLE))
 
+    def locate(self, key: bytes) -> tuple[Any, int, int] | None:
+        """Where block ``key`` is stored: ``(LMCache key of its object, offset, length)`` of its bytes in the
+        object, or ``None`` (not stored, not readable, no KV attached yet). For tools and fault injection."""
+        if self._views is None:
+            return None
+        layout = self._views[0]
+        with self._session() as m:
+            want = self._find(m, [key], 0, set(), layout)
+            if want is None:
+                return None
+            got = m.sm.batched_get([want.key], location=want.tier) or [None]
+            obj = got[0]
+            if obj is None:
+                return None
+            try:
+                arr = obj.tensor.view(-1).numpy()
+                length = FORMAT.header_bytes(arr[: min(arr.size, codec.MAX_HEADER)], arr.size)
+                chunk = FORMAT.parse(arr[:length], fingerprint=layout.fingerprint, size=arr.size)
+            except Corrupted:
+                return None
+            finally:
+                obj.ref_count_down()
+        if key not in chunk.keys:
+            return None
+        pos = chunk.keys.index(key)
+        return want.key, chunk.offset(pos), chunk.payload
+
     def close(self) -> None:
         self._staging.clear()
+        self._views = None
         super().close()
+
+
+def _runs(plan: Sequence[_Want]) -> Iterator[tuple[str, list[_Want]]]:
+    """``plan`` cut into runs of consecutive objects in the same tier."""
+    i = 0
+    while i < len(plan):
+        j = i + 1
+        while j < len(plan) and plan[j].tier == plan[i].tier:
+            j += 1
+        yield plan[i].tier, list(plan[i:j])
+        i = j
 
 
 class LMCacheBackend(StoreBackend):

@@ -2,12 +2,13 @@
 
 Two families, one set of checksums and one meaning of failure (:class:`~kvbridge.errors.Corrupted`):
 
-- a **chunk object** (:class:`ChunkFormat`, :data:`FS`, version 2): a run of consecutive blocks of
-  one prompt — what ``fs`` writes, one file per chunk — with a checksum per block, so a reader takes
+- a **chunk object** (:class:`ChunkFormat`, version 2): a run of consecutive blocks of one prompt —
+  what ``fs`` writes (:data:`FS`, one file per chunk) and what ``lmcache`` writes
+  (:data:`LMCACHE_CHUNK`, one LMCache value per chunk) — with a checksum per block, so a reader takes
   the blocks it needs, block by block, and a damaged block fails only from itself on;
-- a **block object** (:class:`BlockFormat`, version 1): one block — what ``lmcache`` writes
-  (:data:`LMCACHE`, an LMCache value per block), and what ``fs`` wrote before version 2
-  (:data:`FS_V1`; kept documented, read by no one: a v1 object is a miss for today's ``fs``).
+- a **block object** (:class:`BlockFormat`, version 1): one block — what ``lmcache`` wrote before
+  version 2 (:data:`LMCACHE`, an LMCache value per block) and what ``fs`` wrote before version 2
+  (:data:`FS_V1`); both kept documented, read by no one: a v1 object is a miss for today's stores.
 
 A block's *payload* is its bytes in every layer, layer after layer (``num_layers * block_bytes``).
 
@@ -31,6 +32,10 @@ more), the rest zero — then the blocks' payloads, block after block::
 
 Block ``i`` is the ``payload`` bytes at ``header_bytes + i * payload``; the object is exactly
 ``header_bytes + n * payload`` long.
+
+:data:`LMCACHE_CHUNK` (version 2) is the same layout with magic ``b"KVBRLM\\r\\n"`` and headers a multiple
+of 64 bytes instead of 4096 (an LMCache value is a buffer in LMCache's CPU arena, never read with
+``O_DIRECT``; 64 keeps every block 8-byte aligned for word copies, and a small block's object small).
 
 **Checks of a chunk object** (:meth:`ChunkFormat.parse`, then :meth:`Chunk.verify` per block),
 in this order::
@@ -117,6 +122,7 @@ from kvbridge.layout import LayoutFingerprint
 
 VERSION = 1  # of the block formats (LMCACHE, FS_V1)
 FS_VERSION = 2  # of the chunk format FS
+LMCACHE_VERSION = 2  # of the chunk format LMCACHE_CHUNK
 ALIGN = 4096  # a chunk object's header is a multiple of it: blocks start aligned (O_DIRECT, mmap)
 MAX_HEADER = 1 << 20  # a chunk header longer than this is garbage
 CHECKSUMS: dict[str, int] = {"crc32": 1, "crc32c": 2}  # option value -> the kind a header stores
@@ -402,7 +408,8 @@ class ChunkFormat:
 
 FS = ChunkFormat(magic=b"KVBRFS\r\n", version=FS_VERSION)
 FS_V1 = BlockFormat(magic=b"KVBRFS\r\n", header_bytes=4096, inline=True)
-LMCACHE = BlockFormat(magic=b"KVBRLM\r\n", header_bytes=64, inline=False)
+LMCACHE = BlockFormat(magic=b"KVBRLM\r\n", header_bytes=64, inline=False)  # version 1: written before LMCACHE_CHUNK
+LMCACHE_CHUNK = ChunkFormat(magic=b"KVBRLM\r\n", version=LMCACHE_VERSION, align=64)
 
 __all__ = [
     "ALIGN",
@@ -413,6 +420,8 @@ __all__ = [
     "FS_V1",
     "FS_VERSION",
     "LMCACHE",
+    "LMCACHE_CHUNK",
+    "LMCACHE_VERSION",
     "MAX_HEADER",
     "VERSION",
     "BlockFormat",

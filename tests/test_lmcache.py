@@ -187,51 +187,74 @@ def test_foreign_layout_is_refused(server):
         _close(producer, consumer)
 
 
-def _raw(store: lmc.LMCacheStore, key: bytes) -> torch.Tensor:
+def _raw(store: lmc.LMCacheStore, obj_key: Any) -> torch.Tensor:
     sm = store.storage_manager
-    (obj,) = sm.batched_get([store.lmcache_key(key)], location="RemoteBackend")
+    (obj,) = sm.batched_get([obj_key], location="RemoteBackend")
     try:
         return obj.tensor.view(-1).clone()
     finally:
         obj.ref_count_down()
 
 
-def _raw_put(store: lmc.LMCacheStore, key: bytes, data: torch.Tensor) -> None:
+def _raw_put(store: lmc.LMCacheStore, obj_key: Any, data: torch.Tensor) -> None:
     from lmcache.v1.memory_management import MemoryFormat
 
-    sm, lkey = store.storage_manager, store.lmcache_key(key)
+    sm = store.storage_manager
     obj = sm.allocate(torch.Size([1, 1, 1, data.numel()]), torch.uint8, fmt=MemoryFormat.KV_2LTD, busy_loop=False)
     obj.tensor.view(-1).copy_(data)
-    sm.batched_put([lkey], [obj], location="RemoteBackend")
-    while sm.storage_backends["RemoteBackend"].exists_in_put_tasks(lkey):
+    sm.batched_put([obj_key], [obj], location="RemoteBackend")
+    while sm.storage_backends["RemoteBackend"].exists_in_put_tasks(obj_key):
         time.sleep(0.001)
     # the lm:// put is not acknowledged: a lookup on the same connection returns once the server took it
     # (without it the consumer, on its own connection, may read the old object first)
-    assert sm.contains(lkey, search_range=["RemoteBackend"]) is not None
+    assert sm.contains(obj_key, search_range=["RemoteBackend"]) is not None
 
 
-@pytest.mark.parametrize("damage", ["payload_bit", "magic", "truncated", "another_key"])
+@pytest.mark.parametrize("damage", ["payload_bit", "magic", "truncated", "header_key", "another_key"])
 def test_damaged_objects_are_failed_blocks(server, damage):
+    """Block 1's object is damaged in the server: a flipped bit in block 1's own bytes fails block 1 on (the
+    blocks before it load, from the same object); damage to the object itself fails all of its blocks."""
     producer, consumer = _pair(server)
     try:
         tokens = _tokens(4 * 16 + 1, seed=6)
         sent = producer.prefill("a", tokens)
         store = producer.worker.io
-        raw = _raw(store, sent.keys[0] if damage == "another_key" else sent.keys[1])
+        obj_key, offset, length = store.locate(sent.keys[1])
+        first = next(a for a, b in store._pieces(sent.keys) if a <= 1 < b)  # block 1's object starts here
+        raw = _raw(store, obj_key)
         if damage == "payload_bit":
-            raw[lmc.HEADER_BYTES + 7] ^= 1
+            raw[offset + 7] ^= 1
         elif damage == "magic":
             raw[0] ^= 1
         elif damage == "truncated":
             raw = raw[:-8]
-        _raw_put(store, sent.keys[1], raw)
+        elif damage == "header_key":  # the first key's first byte in the header (the header's own checksum catches it)
+            fp_len = int.from_bytes(raw[18:20].numpy().tobytes(), "little")
+            raw[lmc.FORMAT.fixed.size + fp_len + 6] ^= 1
+        else:  # another object's bytes under block 1's object key
+            raw = _raw(store, store.lmcache_key(sent.keys[0])) if first > 0 else _other_object(store, raw)
+        _raw_put(store, obj_key, raw)
         got = consumer.prefill("b", tokens)
-        assert got.loaded_blocks == got.block_ids[:1]  # block 0 only
-        assert got.failed_blocks == sorted(got.block_ids[1:4])
+        good = 1 if damage == "payload_bit" else first
+        assert got.loaded_blocks == got.block_ids[:good]
+        assert got.failed_blocks == sorted(got.block_ids[good:4])
         assert torch.equal(got.snapshot[:, :4], consumer.expected(got.keys[:4]))  # recomputed, never the damage
         assert consumer.worker.io.stats.corrupt == 1
     finally:
         _close(producer, consumer)
+
+
+def _other_object(store: lmc.LMCacheStore, raw: torch.Tensor) -> torch.Tensor:
+    """``raw`` with its last key in the header changed and the header checksum made right again: a well-formed
+    object of another key."""
+    arr = raw.numpy().copy()
+    length = lmc.FORMAT.header_bytes(arr, arr.size)
+    chunk = lmc.FORMAT.parse(arr[:length], fingerprint=store._views[0].fingerprint, size=arr.size)
+    keys = [*chunk.keys[:-1], bytes(len(chunk.keys[-1]))]
+    header = lmc.FORMAT.pack(keys, store._views[0].fingerprint, chunk.checksums, chunk.kind)
+    assert len(header) == length
+    arr[:length] = np.frombuffer(header, dtype=np.uint8)
+    return torch.from_numpy(arr)
 
 
 def test_server_killed_mid_run_means_misses_and_failed_blocks_not_hangs():
@@ -314,9 +337,10 @@ def test_lmcache_as_a_tier_of_chain(server):
 def test_a_load_larger_than_the_arena_completes(tmp_path):
     """LMCache waits forever for arena room when a batched read does not fit: loads must batch under it."""
     options = lmc.LMCacheOptions(
-        local_cpu_bytes=1 << 20, cpu_cache=False, local_disk=str(tmp_path / "d"), local_disk_bytes=64 << 20, model_name="big"
+        local_cpu_bytes=1 << 20, cpu_cache=False, local_disk=str(tmp_path / "d"), local_disk_bytes=64 << 20, model_name="big",
+        chunk_tokens=16,  # an object per block: two of them must fit the arena
     )
-    layout = dict(num_layers=8, num_kv_heads=8, head_size=128, num_blocks=32)  # 512 KiB per block: 2 fit the arena
+    layout = dict(num_layers=4, num_kv_heads=8, head_size=128, num_blocks=32)  # 256 KiB per block: 3 fit the arena
     engine = MiniEngine(lmc.LMCacheBackend(options), engine_id="e", **layout)
     try:
         tokens = np.random.default_rng(7).integers(0, 32000, 8 * 16 + 3).tolist()

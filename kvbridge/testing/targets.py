@@ -296,20 +296,38 @@ def _chain(tmp: Path) -> Target:
 def _lmcache(tmp: Path) -> Target:
     """Producer and consumer over one disk tier (one process: one shared manager). The CPU arena is a
     staging buffer only, so every load really reads LMCache's disk tier. The ``lm://`` server, shared
-    across processes, is exercised by ``tests/test_lmcache.py``."""
+    across processes, is exercised by ``tests/test_lmcache.py``. Sized for the bench as well (it builds
+    this target): the arena holds a 128 MiB request's objects at once (as ``lmcache-native:disk``'s does),
+    and the disk tier every rep of a bench point without evicting (LMCache's eviction scans every object)."""
     from kvbridge.connectors.lmcache import LMCacheBackend, LMCacheOptions
 
     root = tmp / "lmcache-disk"
     # timeout_s bounds a save whose disk write failed (break_saves): LMCache never clears such a write's
     # "in progress" mark, so the save waits for it until this deadline (a 128 MiB bench save takes < 1 s)
-    options = LMCacheOptions(local_cpu_bytes=32 << 20, cpu_cache=False, local_disk=str(root), local_disk_bytes=256 << 20,
+    options = LMCacheOptions(local_cpu_bytes=384 << 20, cpu_cache=False, local_disk=str(root), local_disk_bytes=4 << 30,
                              model_name="conformance", timeout_s=5.0)  # fmt: skip
 
     def corrupt(p: MiniEngine, c: MiniEngine, keys: Sequence[bytes]) -> int:
-        """LMCache's disk objects (the only copy: ``cpu_cache=False``), a payload byte flipped in each file."""
+        """LMCache's disk objects (the only copy: ``cpu_cache=False``): the last byte of each block's own bytes
+        inverted, inside whichever chunk object holds it."""
         store = _io(p)
         disk = store.storage_manager.storage_backends["LocalDiskBackend"]
-        return _flip_files([disk._key_to_path(store.lmcache_key(key)) for key in keys])
+        damaged = 0
+        for key in keys:
+            where = store.locate(key)
+            if where is None:
+                continue
+            obj_key, offset, length = where
+            try:
+                with open(disk._key_to_path(obj_key), "r+b") as f:
+                    f.seek(offset + length - 1)
+                    byte = f.read(1)
+                    f.seek(offset + length - 1)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+            except OSError:
+                continue
+            damaged += 1
+        return damaged
 
     def cleanup() -> None:
         if root.is_file():
