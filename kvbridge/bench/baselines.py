@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -62,16 +63,20 @@ def memcpy_stream(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Ti
 
 def file(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
     """One sequential ``write`` (``save``; plus ``os.fsync`` when the backend fsyncs) or ``readinto``
-    (``load``) of ``nbytes`` in the backend's own directory."""
+    (``load``) of ``nbytes`` in the backend's own directory.
+
+    Each write makes a new file, as a store's save makes a new object; the files stay until the end, as
+    a store's objects do. (Rewriting one file measured 1.2 GB/s against 4.2 for new files here: ext4
+    flushes a file truncated and written again when it is closed, ``auto_da_alloc``.)"""
     buf = torch.empty(nbytes, dtype=torch.uint8)
     fill_random(buf)
     view = _bytes(buf)
     fsync = bool(env.get("fsync", False))
-    fd, path = tempfile.mkstemp(prefix=".kvbridge-bench-", dir=env.get("dir"))
-    os.close(fd)
+    folder = tempfile.mkdtemp(prefix=".kvbridge-bench-", dir=env.get("dir"))
+    path = os.path.join(folder, "read")
 
-    def write(_: object) -> None:
-        with open(path, "wb") as f:
+    def write(target: str) -> None:
+        with open(target, "wb") as f:
             f.write(view)
             if fsync:
                 f.flush()
@@ -83,11 +88,11 @@ def file(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
 
     try:
         if op == "save":
-            return time_reps(write, reps)
-        write(None)
+            return time_reps(write, reps, setup=lambda i: os.path.join(folder, f"w{i}"))
+        write(path)
         return time_reps(read, reps)
     finally:
-        os.unlink(path)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
