@@ -94,6 +94,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import functools
 import hashlib
 import itertools
 import logging
@@ -111,7 +112,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-from kvbridge import codec
+from kvbridge import codec, native
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, Corrupted, LayoutMismatch, StoreFull
 from kvbridge.layout import KVLayout, LayoutFingerprint, block_words, reslice
@@ -301,6 +302,22 @@ class _Blocks:
     def parts(self, block: int) -> list[np.ndarray]:
         return [r[block] for r in self.rows]
 
+    @functools.cached_property
+    def bases(self) -> np.ndarray | None:
+        """Each layer's first block's address (``uint64 [1, layers]``), where every layer's rows have the
+        same stride and length (:meth:`pieces` needs it); else ``None``."""
+        if any(r.strides != self.rows[0].strides or r.shape[1:] != self.rows[0].shape[1:] for r in self.rows):
+            return None
+        return np.asarray([r.__array_interface__["data"][0] for r in self.rows], dtype=np.uint64).reshape(1, -1)
+
+    def pieces(self, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses and lengths (``uint64``) of every layer's piece of each block, block after block: each
+        block's bytes in the order a stored object holds them. Only where :attr:`bases` is not ``None``."""
+        assert self.bases is not None
+        ids = np.asarray(block_ids, dtype=np.uint64).reshape(-1, 1)
+        addresses = (self.bases + ids * np.uint64(self.rows[0].strides[0])).reshape(-1)
+        return addresses, np.full(addresses.size, self.rows[0].shape[1], dtype=np.uint64)
+
     def put(self, block: int, data: np.ndarray) -> None:
         """Write ``data`` (``[num_layers, block_bytes]``) into block ``block`` of every layer."""
         if self.slab is not None:
@@ -484,6 +501,9 @@ class FsStore(_Tree, StoreIO):
         self._local = threading.local()  # each thread's block buffer
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._views: tuple[KVLayout, _Blocks | None] | None = None
+        # kvbridge._ucp where it loaded and has crc32c: reads checked without a Python object per block
+        mod = native.load()[0]
+        self._native = mod if mod is not None and getattr(mod, "HAS_CRC32C", False) else None
 
     def attach(self, layout: KVLayout) -> None:
         self._blocks(layout)
@@ -588,7 +608,10 @@ class FsStore(_Tree, StoreIO):
                 while first + count < len(chunk.keys) and i + count < len(keys) and chunk.keys[first + count] == keys[i + count]:
                     count += 1
                 reads.append(_Read(path, fd, chunk, first, count, i))
-                if not self._direct:  # start the kernel's read-ahead of what we read, so cold reads overlap
+                if i and not self._direct:
+                    # start the kernel's read-ahead of the objects after the first (whose read starts at
+                    # once), so cold reads overlap; an object in the page cache pays the walk of its pages
+                    # (~0.1 ms per 8 MiB here), which is why the first, often the only one, is not advised
                     os.posix_fadvise(fd, chunk.offset(first), count * chunk.payload, os.POSIX_FADV_WILLNEED)
                 i += count
         except BaseException:
@@ -600,6 +623,9 @@ class FsStore(_Tree, StoreIO):
     def _read_blocks(self, op: BlockLoad, layout: KVLayout, reads: list[_Read], covered: int) -> int:
         """Read, check and place the located blocks; how many from the first arrived."""
         blocks = self._blocks(layout)
+        if self._native_crc(blocks, reads):
+            assert blocks is not None
+            return self._read_native(op, layout, blocks, reads, covered)
         where = [(r, r.first + t) for r in reads for t in range(r.count)]
         failed = [covered]  # a block that failed: those after it need not be read (a hint; see below)
         staging = None if blocks is not None else self._staging.take(layout, covered)
@@ -640,6 +666,54 @@ class FsStore(_Tree, StoreIO):
         finally:
             if staging is not None:
                 self._staging.give(staging)
+
+    def _native_crc(self, blocks: _Blocks | None, reads: list[_Read]) -> bool:
+        """Whether a load can go through :mod:`kvbridge._ucp` (``file_io`` and ``crc32c``, the GIL released,
+        no Python object per block): a CPU KV read in place, objects checked with crc32c."""
+        return (blocks is not None and blocks.bases is not None and not self._direct and self._native is not None
+                and all(r.chunk.kind == codec.CRC32C for r in reads))  # fmt: skip
+
+    def _read_native(self, op: BlockLoad, layout: KVLayout, blocks: _Blocks, reads: list[_Read], covered: int) -> int:
+        """Every located block read straight into its block of the KV and checked there, by ``io_threads``
+        threads each taking a stretch of consecutive blocks of one object; how many from the first
+        arrived (a block that failed is handled as :meth:`_read_blocks` does)."""
+        mod = self._native
+        assert mod is not None
+        payload = layout.num_layers * layout.block_bytes
+        per = -(-covered // self.options.io_threads)
+        runs = [(r, s, min(per, r.count - s)) for r in reads for s in range(0, r.count, per)]
+        layers = len(blocks.rows)
+        span = np.arange(layers, dtype=np.uint64) * np.uint64(layout.block_bytes)  # a layer's piece in the block
+
+        def place(k: int) -> tuple[int, BaseException | None]:
+            """How many blocks of run ``k`` arrived whole and checked, and why the next one did not."""
+            r, skip, n = runs[k]
+            at, pos = r.at + skip, r.first + skip
+            addresses, lengths = blocks.pieces(op.block_ids[at : at + n])
+            starts = np.uint64(r.chunk.offset(pos)) + np.arange(n, dtype=np.uint64).reshape(-1, 1) * np.uint64(payload)
+            try:
+                got = mod.file_io(r.fd, (starts + span).reshape(-1), addresses, lengths)
+            except OSError as exc:
+                return 0, exc
+            whole = min(n, got // payload)
+            sums = np.frombuffer(mod.crc32c(addresses[: whole * layers], lengths[: whole * layers], layers), "<u4")
+            bad = np.flatnonzero(sums != np.asarray(r.chunk.checksums[pos : pos + whole], dtype=np.uint32))
+            if bad.size:
+                return int(bad[0]), Corrupted(f"checksum mismatch in block {pos + int(bad[0])} of {len(r.chunk.keys)}", damaged=True)
+            if whole < n:
+                return whole, Corrupted(f"block {pos + whole} cut short", damaged=True)
+            return n, None
+
+        good = 0
+        for (r, skip, _), (arrived, why) in zip(runs, self._parallel(len(runs), place)):
+            good = r.at + skip + arrived
+            if isinstance(why, Corrupted):
+                self._reject(r.path, r.fd, why)
+                break
+            if why is not None:
+                log.warning("fs store: reading %s failed (%s)", r.path, why)
+                break
+        return good
 
     def _load_resliced(self, op: BlockLoad, layout: KVLayout, tp: int) -> int:
         """Cut this rank's heads out of the ``tp``-way shards that hold them (:func:`~kvbridge.layout.reslice`)

@@ -4,6 +4,7 @@ from typing_extensions import Buffer
 
 API_VERSION: tuple[int, int]
 IOV_MAX: int
+HAS_CRC32C: int
 
 _U64 = Buffer  # a C-contiguous uint64 array (numpy)
 _U64OrInt = Buffer | int
@@ -16,6 +17,8 @@ def cma_start(
     cut_bytes: int = 8 << 20,
 ) -> CmaRead: ...
 def cma_drain(timeout_s: float, /) -> bool: ...
+def file_io(fd: int, offsets: _U64, addresses: _U64, lengths: _U64OrInt, *, write: bool = False) -> int: ...
+def crc32c(addresses: _U64, lengths: _U64OrInt, parts: int, /) -> bytes: ...
 
 class CmaRead:
     def wait(self, timeout_s: float | None = None, /) -> bool: ...

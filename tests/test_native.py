@@ -265,6 +265,56 @@ def test_local_copies_with_streaming_stores_are_bit_exact(cut_bytes: int) -> Non
     assert np.array_equal(dst, want)
 
 
+def test_crc32c_matches_google_crc32c_over_runs_of_pieces() -> None:
+    """The native crc32c (three lanes, joined by the shift table) is crc32c: the check value, and what
+    google-crc32c gives for runs of pieces of every length and alignment, lanes' seams included."""
+    if not ucp.HAS_CRC32C:
+        pytest.skip("no SSE4.2 here")
+    google = pytest.importorskip("google_crc32c")
+    check = np.frombuffer(b"123456789", np.uint8)
+    assert np.frombuffer(ucp.crc32c(np.array([check.ctypes.data], np.uint64), 9, 1), "<u4")[0] == 0xE3069283
+    rng = np.random.default_rng(9)
+    buf = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    lengths = np.array([0, 1, 7, 8, 9, 4095, 3 * 4096 - 1, 3 * 4096, 3 * 4096 + 1, 7 * 4096 + 13, 65536, 100_003],
+                       np.uint64)  # fmt: skip
+    starts = rng.integers(0, buf.size - 100_003, lengths.size).astype(np.uint64)
+    sums = np.frombuffer(ucp.crc32c(starts + np.uint64(buf.ctypes.data), lengths, 3), "<u4")
+    for g in range(lengths.size // 3):
+        want = 0
+        for s, n in zip(starts[3 * g : 3 * g + 3].tolist(), lengths[3 * g : 3 * g + 3].tolist()):
+            want = google.extend(want, bytes(buf[s : s + n]))
+        assert sums[g] == want, g
+    with pytest.raises(ValueError, match="runs of"):
+        ucp.crc32c(starts[:4] + np.uint64(buf.ctypes.data), lengths[:4], 3)
+
+
+def test_file_io_moves_runs_of_pieces_and_stops_at_the_end_of_the_file(tmp_path: Any) -> None:
+    """pwritev/preadv of descriptors (file offset, address, length): pieces that continue each other in
+    the file go as one call, others apart; a read past the end returns what there was."""
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 256, 200_000, dtype=np.uint8)
+    offsets = np.array([0, 1000, 1700, 50_000, 50_500], np.uint64)  # runs: [0, 1700+300), [50_000, 51_000)
+    lengths = np.array([1000, 700, 300, 500, 500], np.uint64)
+    at = np.array([5, 90_000, 17, 120_001, 3], np.uint64)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert ucp.file_io(fd, offsets, at + np.uint64(src.ctypes.data), lengths, write=True) == int(lengths.sum())
+        data = np.fromfile(tmp_path / "f", np.uint8)
+        assert data.size == 51_000
+        for o, a, n in zip(offsets.tolist(), at.tolist(), lengths.tolist()):
+            assert np.array_equal(data[o : o + n], src[a : a + n])
+        dst = np.zeros_like(src)
+        assert ucp.file_io(fd, offsets, at + np.uint64(dst.ctypes.data), lengths) == int(lengths.sum())
+        for a, n in zip(at.tolist(), lengths.tolist()):
+            assert np.array_equal(dst[a : a + n], src[a : a + n])
+        past = np.array([50_900, 51_000], np.uint64)  # 100 bytes, then none: the file ends at 51_000
+        assert ucp.file_io(fd, past, np.uint64(dst.ctypes.data) + np.array([0, 200], np.uint64), 200) == 100
+        with pytest.raises(OSError):
+            ucp.file_io(-1, offsets, at + np.uint64(dst.ctypes.data), lengths)
+    finally:
+        os.close(fd)
+
+
 def test_cma_start_wait_times_out_then_completes(peer: Peer) -> None:
     """wait(t) gives up after t while the read goes on; a later wait sees it over."""
     block = 2 * MiB

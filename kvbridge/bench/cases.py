@@ -145,8 +145,10 @@ def _not_measured(name: str, op: str, point: Point, baselines: Sequence[str], wh
     return [make_record(name, op, point, None, b, None, note=f"not measured: {why}") for b in baselines]
 
 
-def medium_env(target: Target, tmp: Path) -> dict[str, Any]:
-    """What a baseline must match: the backend's directory (a path option that exists) and fsync setting."""
+def medium_env(target: Target, tmp: Path, point: Point | None = None) -> dict[str, Any]:
+    """What a baseline must match: the backend's directory (a path option that exists), fsync setting,
+    and the size of the objects it writes (``object_bytes``: an fs chunk, whether fs stands alone or is a
+    chain's tier; files that large are what the medium is asked to write)."""
     env: dict[str, Any] = {"dir": str(tmp), "fsync": False}
     options = getattr(target.producer, "options", None)
     if dataclasses.is_dataclass(options):
@@ -156,6 +158,10 @@ def medium_env(target: Target, tmp: Path) -> dict[str, Any]:
                 env["fsync"] = value
             elif isinstance(value, (str, Path)) and str(value) and os.path.isdir(value):
                 env["dir"] = str(value)
+    tiers = [t for t in getattr(options, "tiers", ()) if isinstance(t, Mapping) and t.get("backend") == "fs"]
+    chunk = getattr(options, "chunk_tokens", None) or (tiers[0].get("chunk_tokens", 256) if tiers else None)
+    if chunk and point is not None:
+        env["object_bytes"] = int(chunk) * point.shape.bytes_per_token
     return env
 
 
@@ -236,6 +242,7 @@ def save_case(pair: Pair, tag: str = "save", seed: int = 1000) -> Case:
         saved = sum(len(s.block_ids) for s in plan.saves)
         if saved != pair.point.blocks:
             raise Unavailable(f"the plan saves {saved} of {pair.point.blocks} blocks (store too small?)")
+        os.sync()  # every save starts with no dirty pages behind it, as the file baseline's writes do
         return reqs, plan
 
     return Case(setup, lambda s: run_save(pair.prod, s[1]), lambda s: end_save(pair.prod, s[0], pair.pblocks))
@@ -525,7 +532,7 @@ class Measurer:
                 peer = target.producer.kind == "peer"
                 ops = self._ops(peer)
                 pair = Pair(target, point)
-                env = medium_env(target, tmp)
+                env = medium_env(target, tmp, point)
                 timed: list[tuple[str, Timing | StallTiming | None, str]] = []
                 try:
                     for op in ops:
