@@ -26,6 +26,14 @@ ones byte for byte, untimed; one differing byte fails the row (:class:`Mismatch`
 returns fewer tokens than were saved. LMCache hashes the tokens inside ``store`` and ``retrieve``: that is in
 its time (kvbridge's bench computes its block keys before the timed region).
 
+**Beside it, kvbridge's tier on the CPU arena alone.** The bench's ``lmcache`` row is kvbridge's tier as its
+conformance target sets it up (the arena stages, every load reads LMCache's disk tier: against
+``lmcache-native:disk``). The row ``lmcache:cpu`` is the same tier with LMCache's CPU arena as the store
+(``cpu_cache``, no disk, the arena sized as ``lmcache-native:cpu``'s plus room for two of kvbridge's largest
+objects; against ``lmcache-native:cpu``), measured here with the bench's own store cases
+(:func:`kvbridge.bench.cases.save_case` / ``load_case``: the same timing as every store row, the first load
+checked byte for byte) because the bench has one store row per registered backend.
+
 LMCache logs to stderr, which ``kvbridge bench`` sends to its ``--log`` file; like kvbridge's ``lmcache`` backend,
 its level defaults to WARNING and its usage tracking to off (set before LMCache is first imported).
 """
@@ -54,7 +62,9 @@ OPS = ("save", "load")
 ROWS: dict[str, tuple[str, ...]] = {  # row -> its baselines: the raw medium of that tier
     "lmcache-native:cpu": ("memcpy",),
     "lmcache-native:disk": ("file",),
+    "lmcache:cpu": ("memcpy",),  # kvbridge's lmcache tier on the arena alone (see the module docstring)
 }
+OURS_CPU = "lmcache:cpu"
 CHUNK_TOKENS = 256  # LMCache's default chunk_size
 MARGIN = 64 << 20  # arena and disk room beyond the bytes of one rep (chunk rounding, allocator slack)
 DRAIN_TIMEOUT_S = 60.0
@@ -272,13 +282,32 @@ def measure(
     return {"save": Timing(tuple(saves)), "load": Timing(tuple(loads))}
 
 
+def measure_ours_cpu(point: Point, reps: int) -> dict[str, Timing]:
+    """``save`` and ``load`` of ``point`` through kvbridge's ``lmcache`` tier on LMCache's CPU arena alone, timed
+    as the bench times every store (its store cases; the first load checked byte for byte)."""
+    from kvbridge.bench.cases import Pair, load_case, save_case
+    from kvbridge.connectors.lmcache import LMCacheBackend, LMCacheOptions
+    from kvbridge.testing.engine import Target
+
+    options = LMCacheOptions(local_cpu_bytes=2 * point.nbytes + MARGIN + (256 << 20), cpu_cache=True,
+                             model_name=f"bench-cpu-{os.getpid()}-{next(_IDS)}", timeout_s=DRAIN_TIMEOUT_S)  # fmt: skip
+    pair = Pair(Target(LMCacheBackend(options), LMCacheBackend(options)), point)
+    try:
+        return {"save": save_case(pair).time(reps), "load": load_case(pair, peer=False).time(reps)}
+    finally:
+        pair.close()
+
+
 def run(point: Point, reps: int) -> dict[tuple[str, str], Timing]:
-    """Both tiers at ``point``: ``{(row, op): Timing}`` for every row of :data:`ROWS` and op of :data:`OPS`."""
+    """Both tiers at ``point``, and kvbridge's tier on the arena: ``{(row, op): Timing}`` for every row of
+    :data:`ROWS` and op of :data:`OPS`."""
     out: dict[tuple[str, str], Timing] = {}
     for tier in TIERS:
         for op, timing in measure(point, reps, tier).items():
             out[(f"lmcache-native:{tier}", op)] = timing
+    for op, timing in measure_ours_cpu(point, reps).items():
+        out[(OURS_CPU, op)] = timing
     return out
 
 
-__all__ = ["OPS", "ROWS", "TIERS", "Mismatch", "NativeTier", "measure", "run"]
+__all__ = ["OPS", "OURS_CPU", "ROWS", "TIERS", "Mismatch", "NativeTier", "measure", "measure_ours_cpu", "run"]
