@@ -165,6 +165,10 @@ class FsOptions:
         require(1 <= self.io_threads <= 64, f"fs option 'io_threads' must be in [1, 64], got {self.io_threads}")
 
 
+# a block of a save (its index in the op) -> its pieces' addresses and lengths, where kvbridge._ucp moves them
+_Pieces = Callable[[int], tuple[np.ndarray, np.ndarray]] | None
+
+
 @dataclasses.dataclass(frozen=True)
 class FsSave:
     """``BlockSave.target`` of an ``fs`` save: the keys of the blocks before its first in the same chunk
@@ -797,7 +801,9 @@ class FsStore(_Tree, StoreIO):
             self._make_room(sum(FORMAT.header_length(o.keys, layout.fingerprint) + len(o.keys) * payload for o in objects))
         blocks = self._blocks(layout)
         if blocks is not None:
-            self._save_objects(op, layout, objects, lambda i: blocks.parts(op.block_ids[i]))
+            native = blocks.bases is not None and self._native is not None and self._kind == codec.CRC32C
+            pieces = (lambda i: blocks.pieces(op.block_ids[i : i + 1])) if native else None
+            self._save_objects(op, layout, objects, lambda i: blocks.parts(op.block_ids[i]), pieces)
             return
         with self._staging.gathered(layout, op.block_ids) as staging:
             arr = staging.numpy()
@@ -820,19 +826,23 @@ class FsStore(_Tree, StoreIO):
             i = end
         return out
 
-    def _save_objects(self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: Callable[[int], list[Any]]) -> None:
+    def _save_objects(
+        self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: Callable[[int], list[Any]], pieces: _Pieces = None
+    ) -> None:
         # a window of objects at a time (one per thread), published before the next is written: a full disk
         # keeps every chunk of the save but those of the window it stopped in
         step = self.options.io_threads
         for w in range(0, len(objects), step):
             window = objects[w : w + step]
             try:
-                self._write_window(op, layout, window, parts)
+                self._write_window(op, layout, window, parts, pieces)
             finally:
                 for o in window:
                     self._discard(o)
 
-    def _write_window(self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: Callable[[int], list[Any]]) -> None:
+    def _write_window(
+        self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: Callable[[int], list[Any]], pieces: _Pieces
+    ) -> None:
         payload = layout.num_layers * layout.block_bytes
         direct = self._direct if payload % _ALIGN == 0 else 0
         ready = []
@@ -864,6 +874,9 @@ class FsStore(_Tree, StoreIO):
                     o.sums[j] = o.source.chunk.checksums[j] if o.source.chunk.kind == self._kind else codec.checksum(self._kind, [data])
                     _write_at(o.fd, [data], off)
                     return
+                if pieces is not None and not direct:  # kvbridge._ucp: checksum and write, the GIL released
+                    o.sums[j] = self._write_native(o.fd, off, *pieces(o.lo + j - o.head))
+                    return
                 src = parts(o.lo + j - o.head)
                 if direct:  # O_DIRECT writes from an aligned buffer
                     buf = self._buffer(payload)[:payload]
@@ -888,6 +901,15 @@ class FsStore(_Tree, StoreIO):
                     continue
                 self._failed_write(o, o.error)
             self._publish(o, layout, direct)
+
+    def _write_native(self, fd: int, offset: int, addresses: np.ndarray, lengths: np.ndarray) -> int:
+        """One block's pieces (in payload order) written at ``offset``, one after another; their crc32c."""
+        assert self._native is not None
+        starts = np.uint64(offset) + np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.uint64)
+        moved = self._native.file_io(fd, starts, addresses, lengths, write=True)
+        if moved != int(lengths.sum()):  # file_io raises on an error; a short write is one too
+            raise OSError(errno.EIO, f"wrote {moved} of {int(lengths.sum())} bytes")
+        return int(np.frombuffer(self._native.crc32c(addresses, lengths, len(addresses)), "<u4")[0])
 
     def _open_head(self, o: _Object, layout: KVLayout) -> bool:
         """Open the object holding the first ``o.head`` blocks of ``o``'s chunk; ``False`` if it cannot serve."""
