@@ -58,8 +58,11 @@ block of the KV (``preadv`` into the per-layer pieces: the kernel's copy is the 
 it there. The block is the request's own, which the engine reads only after the load reports, and
 recomputes if the check failed — as a one-sided ucx read lands before its seal is checked. (Reading
 into a thread's buffer, checking, then copying into the KV cost a second copy: 0.61 of the raw
-medium at 128 MiB.) ``io_threads`` threads share a load's or a save's blocks (the kernel's copy and
-the checksum run in parallel where cores are free); a KV on a GPU, one whose blocks are not
+medium at 128 MiB.) With a CPU KV, crc32c objects and :mod:`kvbridge._ucp` built, both go through
+its ``file_io`` (``preadv``/``pwritev`` of runs of pieces) and ``crc32c`` (SSE4.2), the GIL released: a
+load reads and checks a stretch of blocks per call, a save a block per call (from Python, google-crc32c
+held the GIL for the 64 KiB pieces, so a second IO thread waited). ``io_threads`` threads share a
+load's or a save's blocks (the kernel's copy and the checksum run in parallel where cores are free); a KV on a GPU, one whose blocks are not
 contiguous, or ``o_direct`` (aligned buffers) goes through a per-thread buffer, then the KV or a
 staging buffer and one scatter. ``o_direct=True`` opens objects with ``O_DIRECT`` (past the page cache: NVMe, parallel
 filesystems), through page-aligned buffers; a filesystem that refuses it is a
