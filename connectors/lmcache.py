@@ -62,7 +62,7 @@ writes fails the save (:class:`~kvbridge.errors.PeerUnreachable`); both are coun
 remote locator), ``batched_get`` them from their tiers in batches that fit half the arena (LMCache
 reads a disk or remote hit into the arena and, when it is full, waits for room forever), check each
 header, then each block's checksum in the arena object *before* it is copied, and copy the blocks
-that passed straight into the KV (one ``index_copy_`` per layer per object). A damaged block fails
+that passed straight into the KV (one copy per layer per object). A damaged block fails
 from itself on: the blocks before it load, it and the blocks after it are reported failed (the
 engine recomputes them), the object is counted in ``stats.corrupt`` and dropped from the tiers that
 can delete (CPU, disk; the ``lm://`` server cannot). Objects of another layout are left alone. Every
@@ -131,7 +131,7 @@ _MAX_BLOCKS = 0xFFFF  # blocks per object the header can count
 _MODEL_NAME = re.compile(r"[A-Za-z0-9._-]{1,40}")
 _REMOTE = "RemoteBackend"
 _DELETABLE = ("LocalCPUBackend", "LocalDiskBackend")
-_MIN_LOCATORS = 1 << 16  # block -> object entries a manager keeps at least
+_MIN_LOCATORS, _MAX_LOCATORS = 1 << 14, 1 << 20  # block -> object entries a manager keeps (as its tiers hold blocks)
 # a locator object in the remote: magic, version, blocks in the object, the block's position in it, length of the
 # object's chunk hash, a digest of the block key, the object's chunk hash (zero-padded)
 _LOCATOR = struct.Struct("<8sHHHH16s32s")
@@ -557,7 +557,7 @@ class LMCacheStore(_Handle, StoreIO):
         local = (self.options.local_cpu_bytes if self.options.cpu_cache else 0) + self.options.local_disk_bytes
         m = self._open()
         with m.lock:  # room for a locator per block the local tiers can hold, twice over
-            m.where_cap = max(m.where_cap, 2 * local // max(1, payload))
+            m.where_cap = max(m.where_cap, min(_MAX_LOCATORS, 2 * local // max(1, payload)))
         self._layer_views(layout)
 
     def _layer_views(self, layout: KVLayout) -> list[torch.Tensor] | None:
