@@ -97,7 +97,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
-import functools
 import hashlib
 import itertools
 import logging
@@ -118,7 +117,7 @@ import torch
 from kvbridge import codec, native
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, Corrupted, LayoutMismatch, StoreFull
-from kvbridge.layout import KVLayout, LayoutFingerprint, block_words, reslice
+from kvbridge.layout import BlockAddressing, KVLayout, LayoutFingerprint, block_words, reslice
 from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -309,22 +308,6 @@ class _Blocks:
     def parts(self, block: int) -> list[np.ndarray]:
         return [r[block] for r in self.rows]
 
-    @functools.cached_property
-    def bases(self) -> np.ndarray | None:
-        """Each layer's first block's address (``uint64 [1, layers]``), where every layer's rows have the
-        same stride and length (:meth:`pieces` needs it); else ``None``."""
-        if any(r.strides != self.rows[0].strides or r.shape[1:] != self.rows[0].shape[1:] for r in self.rows):
-            return None
-        return np.asarray([r.__array_interface__["data"][0] for r in self.rows], dtype=np.uint64).reshape(1, -1)
-
-    def pieces(self, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Addresses and lengths (``uint64``) of every layer's piece of each block, block after block: each
-        block's bytes in the order a stored object holds them. Only where :attr:`bases` is not ``None``."""
-        assert self.bases is not None
-        ids = np.asarray(block_ids, dtype=np.uint64).reshape(-1, 1)
-        addresses = (self.bases + ids * np.uint64(self.rows[0].strides[0])).reshape(-1)
-        return addresses, np.full(addresses.size, self.rows[0].shape[1], dtype=np.uint64)
-
     def put(self, block: int, data: np.ndarray) -> None:
         """Write ``data`` (``[num_layers, block_bytes]``) into block ``block`` of every layer."""
         if self.slab is not None:
@@ -508,6 +491,7 @@ class FsStore(_Tree, StoreIO):
         self._local = threading.local()  # each thread's block buffer
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._views: tuple[KVLayout, _Blocks | None] | None = None
+        self._addressing: tuple[KVLayout, BlockAddressing] | None = None
         # kvbridge._ucp where it loaded and has crc32c: reads checked without a Python object per block
         mod = native.load()[0]
         self._native = mod if mod is not None and getattr(mod, "HAS_CRC32C", False) else None
@@ -629,10 +613,9 @@ class FsStore(_Tree, StoreIO):
 
     def _read_blocks(self, op: BlockLoad, layout: KVLayout, reads: list[_Read], covered: int) -> int:
         """Read, check and place the located blocks; how many from the first arrived."""
+        if self._native_crc(layout, reads):
+            return self._read_native(op, layout, reads, covered)
         blocks = self._blocks(layout)
-        if self._native_crc(blocks, reads):
-            assert blocks is not None
-            return self._read_native(op, layout, blocks, reads, covered)
         where = [(r, r.first + t) for r in reads for t in range(r.count)]
         failed = [covered]  # a block that failed: those after it need not be read (a hint; see below)
         staging = None if blocks is not None else self._staging.take(layout, covered)
@@ -674,13 +657,24 @@ class FsStore(_Tree, StoreIO):
             if staging is not None:
                 self._staging.give(staging)
 
-    def _native_crc(self, blocks: _Blocks | None, reads: list[_Read]) -> bool:
-        """Whether a load can go through :mod:`kvbridge._ucp` (``file_io`` and ``crc32c``, the GIL released,
-        no Python object per block): a CPU KV read in place, objects checked with crc32c."""
-        return (blocks is not None and blocks.bases is not None and not self._direct and self._native is not None
-                and all(r.chunk.kind == codec.CRC32C for r in reads))  # fmt: skip
+    def _native_crc(self, layout: KVLayout, reads: Sequence[_Read] = ()) -> bool:
+        """Whether blocks move through :mod:`kvbridge._ucp` (``file_io`` and ``crc32c``, the GIL released, no
+        Python object per block): a CPU KV (any layout: a block's pieces are addressed), read in place,
+        objects checked with crc32c (this store's kind, and every object's a load reads)."""
+        return (self._native is not None and layout.device.type == "cpu" and not self._direct
+                and self._kind == codec.CRC32C and all(r.chunk.kind == codec.CRC32C for r in reads))  # fmt: skip
 
-    def _read_native(self, op: BlockLoad, layout: KVLayout, blocks: _Blocks, reads: list[_Read], covered: int) -> int:
+    def _pieces(self, layout: KVLayout, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses and lengths (``uint64``) of the pieces of each block, block after block: each block's
+        bytes in the order an object holds them (every layer's pieces, layer after layer)."""
+        if self._addressing is None or self._addressing[0] is not layout:
+            self._addressing = (layout, layout.addressing())
+        at = self._addressing[1]
+        per = len(at.pieces)
+        addresses = at.addresses(np.asarray(block_ids)).reshape(layout.num_layers, len(block_ids), per)
+        return addresses.transpose(1, 0, 2).reshape(-1), at.lengths(len(block_ids))
+
+    def _read_native(self, op: BlockLoad, layout: KVLayout, reads: list[_Read], covered: int) -> int:
         """Every located block read straight into its block of the KV and checked there, by ``io_threads``
         threads each taking a stretch of consecutive blocks of one object; how many from the first
         arrived (a block that failed is handled as :meth:`_read_blocks` does)."""
@@ -689,21 +683,22 @@ class FsStore(_Tree, StoreIO):
         payload = layout.num_layers * layout.block_bytes
         per = -(-covered // self.options.io_threads)
         runs = [(r, s, min(per, r.count - s)) for r in reads for s in range(0, r.count, per)]
-        layers = len(blocks.rows)
-        span = np.arange(layers, dtype=np.uint64) * np.uint64(layout.block_bytes)  # a layer's piece in the block
+        _, lengths = self._pieces(layout, op.block_ids[:1])
+        parts = len(lengths)  # pieces of a block
+        span = np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.uint64)  # each piece's place in the block
 
         def place(k: int) -> tuple[int, BaseException | None]:
             """How many blocks of run ``k`` arrived whole and checked, and why the next one did not."""
             r, skip, n = runs[k]
             at, pos = r.at + skip, r.first + skip
-            addresses, lengths = blocks.pieces(op.block_ids[at : at + n])
+            addresses, lengths = self._pieces(layout, op.block_ids[at : at + n])
             starts = np.uint64(r.chunk.offset(pos)) + np.arange(n, dtype=np.uint64).reshape(-1, 1) * np.uint64(payload)
             try:
                 got = mod.file_io(r.fd, (starts + span).reshape(-1), addresses, lengths)
             except OSError as exc:
                 return 0, exc
             whole = min(n, got // payload)
-            sums = np.frombuffer(mod.crc32c(addresses[: whole * layers], lengths[: whole * layers], layers), "<u4")
+            sums = np.frombuffer(mod.crc32c(addresses[: whole * parts], lengths[: whole * parts], parts), "<u4")
             bad = np.flatnonzero(sums != np.asarray(r.chunk.checksums[pos : pos + whole], dtype=np.uint32))
             if bad.size:
                 return int(bad[0]), Corrupted(f"checksum mismatch in block {pos + int(bad[0])} of {len(r.chunk.keys)}", damaged=True)
@@ -802,11 +797,13 @@ class FsStore(_Tree, StoreIO):
         payload = layout.num_layers * layout.block_bytes
         if self.options.capacity_bytes:
             self._make_room(sum(FORMAT.header_length(o.keys, layout.fingerprint) + len(o.keys) * payload for o in objects))
+        if self._native_crc(layout):
+            pieces = lambda i: self._pieces(layout, op.block_ids[i : i + 1])  # noqa: E731
+            self._save_objects(op, layout, objects, lambda i: [], pieces)  # blocks move by address, not by view
+            return
         blocks = self._blocks(layout)
         if blocks is not None:
-            native = blocks.bases is not None and self._native is not None and self._kind == codec.CRC32C
-            pieces = (lambda i: blocks.pieces(op.block_ids[i : i + 1])) if native else None
-            self._save_objects(op, layout, objects, lambda i: blocks.parts(op.block_ids[i]), pieces)
+            self._save_objects(op, layout, objects, lambda i: blocks.parts(op.block_ids[i]))
             return
         with self._staging.gathered(layout, op.block_ids) as staging:
             arr = staging.numpy()

@@ -498,18 +498,23 @@ class StoreWorker(WorkerSide):
 
         transfers.load(op, run)
 
-    def _start_native(self, op: BlockLoad, layout: KVLayout) -> bool:
-        """Start ``op`` on the store's native threads if it can (:meth:`StoreIO.start_load`): no hand-off
-        to the IO thread and back, ~0.15 ms of an 8 MiB load here. Not when something is queued on the
-        IO thread (the load must not overtake it) or the load writes back (that runs on the IO thread)."""
-        if getattr(op.source, "writes_back", False) or self.transfers.queued():
-            return False
-        t0 = time.perf_counter()
+    def _started(self, start: Callable[[Any, KVLayout], Any], op: BlockLoad | BlockSave, layout: KVLayout) -> Any:
+        """``start(op, layout)`` (:meth:`StoreIO.start_load` or ``start_save``): what the store started on its
+        native threads, or ``None`` for the IO thread to do it — always when something is queued there (a
+        started transfer must not overtake it), or when starting failed (the IO thread then reports what
+        fails, the ordinary way). No hand-off to the IO thread and back: ~0.15 ms of an 8 MiB move here."""
+        if self.transfers.queued():
+            return None
         try:
-            started = self.io.start_load(op, layout)
-        except Exception as exc:  # the IO thread's load reports what fails, the ordinary way
-            log.debug("native start of %s's load failed (%s): the IO thread loads it", op.request_id, exc)
-            return False
+            return start(op, layout)
+        except Exception as exc:
+            log.debug("native start of %s failed (%s): the IO thread moves it", op.request_id, exc)
+            return None
+
+    def _start_native(self, op: BlockLoad, layout: KVLayout) -> bool:
+        """Start ``op`` natively if the store can (not a load that writes back: that runs on the IO thread)."""
+        t0 = time.perf_counter()
+        started = None if getattr(op.source, "writes_back", False) else self._started(self.io.start_load, op, layout)
         if started is None:
             return False
         running, failed_ids = started
@@ -564,16 +569,9 @@ class StoreWorker(WorkerSide):
                 self.transfers.save(op.request_id, functools.partial(self._save, op, layout, ready), self._save_failed)
 
     def _start_native_save(self, op: BlockSave, layout: KVLayout) -> bool:
-        """Start ``op`` on the store's native threads if it can (:meth:`StoreIO.start_save`), as
-        :meth:`_start_native` does a load."""
-        if self.transfers.queued():
-            return False
+        """Start ``op`` natively if the store can; its completion counts it."""
         t0 = time.perf_counter()
-        try:
-            started = self.io.start_save(op, layout)
-        except Exception as exc:  # the IO thread's save fails (or not) the ordinary way
-            log.debug("native start of %s's save failed (%s): the IO thread saves it", op.request_id, exc)
-            return False
+        started = self._started(self.io.start_save, op, layout)
         if started is None:
             return False
         running, complete = started

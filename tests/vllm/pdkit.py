@@ -25,17 +25,18 @@ def engine_env() -> dict[str, str]:
     return env
 
 
-def make_tiny_llama(path: Path, max_positions: int = 512) -> Path:
-    """A 2-layer Llama (hidden 256, 4 heads, 2 KV heads, head_dim 64, vocab 2048) plus a word-level
-    tokenizer (``w<N>`` is token N), saved to ``path``. Seeded: the same weights every time (whatever
-    ``max_positions``, the longest sequence it takes)."""
+def make_tiny_llama(path: Path, max_positions: int = 512, *, layers: int = 2, kv_heads: int = 2) -> Path:
+    """A 2-layer Llama (hidden 256, 4 heads, 2 KV heads, head_dim 64, vocab 2048; 2 KiB of KV a token)
+    plus a word-level tokenizer (``w<N>`` is token N), saved to ``path``. Seeded: the same weights every
+    time (whatever ``max_positions``, the longest sequence it takes). ``layers`` and ``kv_heads`` make its
+    KV larger (``layers * kv_heads * 512`` bytes a token; as many query heads as KV heads, at least 4)."""
     code = f"""
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 torch.manual_seed(0)
-cfg = LlamaConfig(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=2048, max_position_embeddings={max_positions},
+cfg = LlamaConfig(num_hidden_layers={layers}, hidden_size=256, intermediate_size=512, num_attention_heads={max(4, kv_heads)},
+                  num_key_value_heads={kv_heads}, head_dim=64, vocab_size=2048, max_position_embeddings={max_positions},
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
 LlamaForCausalLM(cfg).save_pretrained({str(path)!r})
 vocab = {{"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{{f"w{{i}}": i for i in range(4, 2048)}}}}
