@@ -97,6 +97,7 @@ BENCH: dict[str, BackendBench] = {
     "cpu": BackendBench(("memcpy", "memcpy:nt"), _cpu),  # the cpu tier copies with streaming stores
     "chain": BackendBench(("file",), _chain, fresh=True),  # cpu then fs; the consumer reads fs: file's medium
     "fs": BackendBench(("file",)),
+    "lmcache": BackendBench(("file",)),  # its bench target's medium is LMCache's disk tier (the arena alone: lmcache:cpu)
     # ucxx-wa: the medium the two-sided path rides (kvbridge/bench/ucx_baselines.py); UCX_PEERS: raw cma and ucp
     # GET, NIXL and Mooncake reading the same request (kvbridge/bench/peers.py)
     # --quick keeps the raw medium of the default lane and the peer a user would pick (~3 s of the ~13 s per point).

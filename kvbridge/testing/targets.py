@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -40,22 +39,6 @@ def _io(engine: MiniEngine) -> Any:
 def _index(engine: MiniEngine) -> Any:
     """A store engine's scheduler-side :class:`~kvbridge.store.StoreIndex` (the backend's own class)."""
     return engine.scheduler.index  # type: ignore[attr-defined]
-
-
-def _flip_files(paths: Sequence[str]) -> int:
-    """Invert the last byte of every file in ``paths`` that exists (payload, past any header): real damage."""
-    damaged = 0
-    for path in paths:
-        try:
-            with open(path, "r+b") as f:
-                f.seek(-1, os.SEEK_END)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_END)
-                f.write(bytes([byte[0] ^ 0xFF]))
-        except OSError:
-            continue
-        damaged += 1
-    return damaged
 
 
 @contextlib.contextmanager
