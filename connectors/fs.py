@@ -207,6 +207,16 @@ def chunk_end(keys: Sequence[bytes], i: int, chunk: int) -> int:
     return i
 
 
+def chunk_lengths(keys: Sequence[bytes], chunk: int) -> list[int]:
+    """How many blocks each chunk ``keys`` are cut into holds, in order."""
+    out, i = [], 0
+    while i < len(keys):
+        end = chunk_end(keys, i, chunk) + 1
+        out.append(end - i)
+        i = end
+    return out
+
+
 # -- I/O helpers -------------------------------------------------------------------------------------
 def _advance(bufs: list[Any], n: int) -> list[Any]:
     """``bufs`` less their first ``n`` bytes (after a short readv/writev)."""

@@ -11,7 +11,6 @@ import importlib.util
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ if importlib.util.find_spec("lmcache") is None:
     pytest.skip("lmcache is not installed: pip install 'kvbridge[lmcache]'", allow_module_level=True)
 
 from kvbridge.connectors import lmcache as lmc  # noqa: E402
+from lmcache_server import start_server, stop  # noqa: E402
 
 from kvbridge import registry  # noqa: E402
 from kvbridge.contract import BlockLoad, EngineInfo  # noqa: E402
@@ -40,48 +40,13 @@ from kvbridge.testing import MiniEngine  # noqa: E402
 _names = itertools.count()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_server() -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lmcache server exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc, f"lm://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("lmcache server did not listen within 60 s")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    proc, url = _start_server()
+    proc, url = start_server()
     try:
         yield url
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 def _backend(url: str, model: str, *, arena_mib: int = 16, **extra: Any) -> lmc.LMCacheBackend:
@@ -258,7 +223,7 @@ def _other_object(store: lmc.LMCacheStore, raw: torch.Tensor) -> torch.Tensor:
 
 
 def test_server_killed_mid_run_means_misses_and_failed_blocks_not_hangs():
-    proc, url = _start_server()
+    proc, url = start_server()
     producer, consumer = _pair(url)
     try:
         tokens = _tokens(3 * 16 + 1, seed=7)
@@ -279,7 +244,7 @@ def test_server_killed_mid_run_means_misses_and_failed_blocks_not_hangs():
         assert time.monotonic() - t0 < 10
     finally:
         _close(producer, consumer)
-        _stop(proc)
+        stop(proc)
 
 
 def test_full_arena_skips_the_save_and_never_waits():

@@ -12,10 +12,6 @@ import hashlib
 import importlib.util
 import itertools
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +29,7 @@ if importlib.util.find_spec("lmcache") is None:
 
 from kvbridge.connectors import fs  # noqa: E402
 from kvbridge.connectors import lmcache as lmc  # noqa: E402
+from lmcache_server import start_server, stop  # noqa: E402
 
 from kvbridge import codec, registry  # noqa: E402
 from kvbridge.contract import BlockLoad, ScheduledRequest  # noqa: E402
@@ -53,13 +50,8 @@ def _keys(tokens: list[int]) -> list[bytes]:
 
 
 def _chunks(keys: list[bytes], chunk: int = C) -> list[int]:
-    """The lengths of the chunks ``keys`` are cut into."""
-    out, i = [], 0
-    while i < len(keys):
-        end = fs.chunk_end(keys, i, chunk) + 1
-        out.append(end - i)
-        i = end
-    return out
+    """The lengths of the chunks ``keys`` are cut into (as fs cuts them)."""
+    return fs.chunk_lengths(keys, chunk)
 
 
 def _prompt(n: int, want: Callable[[list[int]], bool], seed: int = 0, chunk: int = C) -> list[int]:
@@ -72,35 +64,13 @@ def _prompt(n: int, want: Callable[[list[int]], bool], seed: int = 0, chunk: int
 
 
 # -- media -------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, url = start_server()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"lmcache server exited with {proc.returncode}"
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "lmcache server did not listen within 60 s"
-                time.sleep(0.1)
-        yield f"lm://127.0.0.1:{port}"
+        yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def _disk_pair(tmp_path: Path, layout: dict[str, Any] | None = None, **extra: Any) -> tuple[MiniEngine, MiniEngine]:
