@@ -29,13 +29,13 @@ if importlib.util.find_spec("lmcache") is None:
     pytest.skip("lmcache is not installed: pip install 'kvbridge[lmcache]'", allow_module_level=True)
 
 from kvbridge.connectors import lmcache as lmc  # noqa: E402
-from lmcache_server import start_server, stop  # noqa: E402
 
 from kvbridge import registry  # noqa: E402
 from kvbridge.contract import BlockLoad, EngineInfo  # noqa: E402
 from kvbridge.errors import ConfigError  # noqa: E402
 from kvbridge.layout import KVLayout  # noqa: E402
 from kvbridge.testing import MiniEngine  # noqa: E402
+from kvbridge.testing.lmcache_server import start_server, stop  # noqa: E402
 
 _names = itertools.count()
 

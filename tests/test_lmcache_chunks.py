@@ -29,13 +29,13 @@ if importlib.util.find_spec("lmcache") is None:
 
 from kvbridge.connectors import fs  # noqa: E402
 from kvbridge.connectors import lmcache as lmc  # noqa: E402
-from lmcache_server import start_server, stop  # noqa: E402
 
 from kvbridge import codec, registry  # noqa: E402
 from kvbridge.contract import BlockLoad, ScheduledRequest  # noqa: E402
 from kvbridge.errors import ConfigError  # noqa: E402
 from kvbridge.keys import block_keys  # noqa: E402
 from kvbridge.testing import MiniEngine  # noqa: E402
+from kvbridge.testing.lmcache_server import start_server, stop  # noqa: E402
 
 C = 4  # blocks per chunk in these tests (chunk_tokens=64, block_size 16)
 _names = itertools.count()

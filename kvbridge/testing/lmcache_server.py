@@ -1,4 +1,4 @@
-"""LMCache's own ``lm://`` server in a child process on loopback, for the lmcache tests (not a test module)."""
+"""LMCache's own ``lm://`` server in a child process on loopback (the lmcache tests start it)."""
 
 from __future__ import annotations
 
