@@ -14,9 +14,10 @@ Backends only move bytes; the bookkeeping of that sequence lives here, in two ob
   request's end the one decision there is: drop a load never started, or hold the blocks of one in
   flight until the worker says it is over.
 - :class:`Transfers` — on the worker side. Loads and saves run on one background thread per worker
-  (first in, first out: a load planned after a save of the same key reads what that save wrote);
-  it records which requests finished loading, which blocks failed, and reports a *held* request in
-  ``finished_saving`` once nothing reads or writes its blocks any more.
+  (first in, first out: a load planned after a save of the same key reads what that save wrote), or
+  on a backend's own native threads (``post``, ``post_save``), which a store uses only when nothing
+  is queued on that thread; it records which requests finished loading, which blocks failed, and
+  reports a *held* request in ``finished_saving`` once nothing reads or writes its blocks any more.
 
 Both are thread-safe where they must be (``Transfers``: the engine thread and the IO thread) and cost
 nothing per block: the unit of work is one request's load or save.
