@@ -629,7 +629,9 @@ static int file_move(int fd, const descs *d, int write, uint64_t *total) {
             end += n;
         }
         int first = 0;
-        while (first < k) {
+        for (;;) {
+            while (first < k && iov[first].iov_len == 0) first++; /* empty pieces move nothing: a 0 is no EOF */
+            if (first == k) break;
             ssize_t got = write ? pwritev(fd, iov + first, k - first, (off_t)offset)
                                 : preadv(fd, iov + first, k - first, (off_t)offset);
             if (got < 0) {
@@ -731,7 +733,7 @@ __attribute__((target("sse4.2"))) static uint32_t crc_update(uint32_t s, const u
     }
     return crc_lane(s, p, n);
 }
-#else
+#else /* no SSE4.2 here: crc32c() refuses (HAS_CRC32C is 0) and fs checks through google-crc32c */
 static int crc_ready;
 static void crc_init(void) {}
 static uint32_t crc_update(uint32_t s, const unsigned char *p, size_t n) { return s; }

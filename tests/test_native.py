@@ -307,6 +307,8 @@ def test_file_io_moves_runs_of_pieces_and_stops_at_the_end_of_the_file(tmp_path:
         assert ucp.file_io(fd, offsets, at + np.uint64(dst.ctypes.data), lengths) == int(lengths.sum())
         for a, n in zip(at.tolist(), lengths.tolist()):
             assert np.array_equal(dst[a : a + n], src[a : a + n])
+        empty = np.array([51_000], np.uint64)  # a piece of no bytes moves nothing, and is no error
+        assert ucp.file_io(fd, empty, np.uint64(src.ctypes.data) + np.zeros(1, np.uint64), 0, write=True) == 0
         past = np.array([50_900, 51_000], np.uint64)  # 100 bytes, then none: the file ends at 51_000
         assert ucp.file_io(fd, past, np.uint64(dst.ctypes.data) + np.array([0, 200], np.uint64), 200) == 100
         with pytest.raises(OSError):
