@@ -35,18 +35,15 @@ from kvbridge.contract import BlockLoad, EngineInfo  # noqa: E402
 from kvbridge.errors import ConfigError  # noqa: E402
 from kvbridge.layout import KVLayout  # noqa: E402
 from kvbridge.testing import MiniEngine  # noqa: E402
-from kvbridge.testing.lmcache_server import start_server, stop  # noqa: E402
+from kvbridge.testing.lmcache_server import serving, start_server, stop  # noqa: E402
 
 _names = itertools.count()
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    proc, url = start_server()
-    try:
+    with serving() as url:
         yield url
-    finally:
-        stop(proc)
 
 
 def _backend(url: str, model: str, *, arena_mib: int = 16, **extra: Any) -> lmc.LMCacheBackend:

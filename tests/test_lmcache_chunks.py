@@ -35,7 +35,7 @@ from kvbridge.contract import BlockLoad, ScheduledRequest  # noqa: E402
 from kvbridge.errors import ConfigError  # noqa: E402
 from kvbridge.keys import block_keys  # noqa: E402
 from kvbridge.testing import MiniEngine  # noqa: E402
-from kvbridge.testing.lmcache_server import start_server, stop  # noqa: E402
+from kvbridge.testing.lmcache_server import serving  # noqa: E402
 
 C = 4  # blocks per chunk in these tests (chunk_tokens=64, block_size 16)
 _names = itertools.count()
@@ -66,11 +66,8 @@ def _prompt(n: int, want: Callable[[list[int]], bool], seed: int = 0, chunk: int
 # -- media -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    proc, url = start_server()
-    try:
+    with serving() as url:
         yield url
-    finally:
-        stop(proc)
 
 
 def _disk_pair(tmp_path: Path, layout: dict[str, Any] | None = None, **extra: Any) -> tuple[MiniEngine, MiniEngine]:

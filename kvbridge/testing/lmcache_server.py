@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 
 def free_port() -> int:
@@ -41,3 +43,13 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def serving() -> Iterator[str]:
+    """A server for the ``with`` block: its ``lm://`` URL."""
+    proc, url = start_server()
+    try:
+        yield url
+    finally:
+        stop(proc)
