@@ -294,17 +294,20 @@ static int move_descs(pid_t pid, const descs *d, Py_ssize_t lo, Py_ssize_t hi, i
     return cma_copy(pid, d, lo, hi, total);
 }
 
-static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"pid", "remote", "local", "lengths", "streaming", NULL};
-    int pid, streaming = 0;
+/* The shape of cma_read() and file_io(): an int (pid, fd), three descriptor arrays and a keyword flag;
+ * `move` runs on them with the GIL released.  Returns the bytes moved, or OSError with its errno. */
+typedef int (*move_fn)(int who, const descs *d, int flag, uint64_t *total);
+
+static PyObject *move_call(PyObject *args, PyObject *kw, char **kwlist, move_fn move) {
+    int who, flag = 0;
     PyObject *ro, *lo, *no;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO|$p", kwlist, &pid, &ro, &lo, &no, &streaming)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO|$p", kwlist, &who, &ro, &lo, &no, &flag)) return NULL;
     descs d;
     if (descs_parse(&d, ro, lo, no, NULL) < 0) return NULL;
     uint64_t total = 0;
     int err;
     Py_BEGIN_ALLOW_THREADS
-    err = move_descs((pid_t)pid, &d, 0, d.n, streaming, &total);
+    err = move(who, &d, flag, &total);
     Py_END_ALLOW_THREADS
     descs_release(&d);
     if (err) {
@@ -312,6 +315,15 @@ static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     return PyLong_FromUnsignedLongLong(total);
+}
+
+static int cma_move(int pid, const descs *d, int streaming, uint64_t *total) {
+    return move_descs((pid_t)pid, d, 0, d->n, streaming, total);
+}
+
+static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"pid", "remote", "local", "lengths", "streaming", NULL};
+    return move_call(args, kw, kwlist, cma_move);
 }
 
 /* ---------------------------------------------------------------------------------------- CmaRead */
@@ -654,22 +666,7 @@ static int file_move(int fd, const descs *d, int write, uint64_t *total) {
 
 static PyObject *py_file_io(PyObject *mod, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"fd", "offsets", "addresses", "lengths", "write", NULL};
-    int fd, write = 0;
-    PyObject *oo, *ao, *no;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO|$p", kwlist, &fd, &oo, &ao, &no, &write)) return NULL;
-    descs d;
-    if (descs_parse(&d, oo, ao, no, NULL) < 0) return NULL;
-    uint64_t total = 0;
-    int err;
-    Py_BEGIN_ALLOW_THREADS
-    err = file_move(fd, &d, write, &total);
-    Py_END_ALLOW_THREADS
-    descs_release(&d);
-    if (err) {
-        errno = err;
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    return PyLong_FromUnsignedLongLong(total);
+    return move_call(args, kw, kwlist, file_move);
 }
 
 /* crc32c (Castagnoli, as google-crc32c and iSCSI) with the SSE4.2 instruction, three lanes at once: one
