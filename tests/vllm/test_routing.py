@@ -174,7 +174,11 @@ def test_cache_aware_from_what_the_replicas_publish(replicas: dict[str, Any], pr
     assert "no live holder" in why and _cached(first) == 0, why
     second, _ = _routed(p1, text_of(fresh["F"]))
     # whichever replica served each published its prompt's full blocks, under its own URL
-    held = {name: eventually(lambda n=name: _holder(redis, fresh[n]), 30) for name in ("E", "F")}
+    def published(tokens: list[int]) -> tuple[str, int] | None:  # falsy until every full block is named
+        holder = _holder(redis, tokens)
+        return holder if holder[1] == FULL_TOKENS // 16 else None
+
+    held = {name: eventually(lambda n=name: published(fresh[n]), 30) or _holder(redis, fresh[name]) for name in ("E", "F")}
     assert all(h in url.values() and n == FULL_TOKENS // 16 for h, n in held.values()), held
 
     # the other proxy never saw E or F (and tokenizes them itself), and still sends each to the replica that holds it
