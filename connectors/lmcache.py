@@ -661,7 +661,7 @@ class LMCacheStore(_Handle, StoreIO):
                 else:
                     torch.index_select(kv, 0, idx, out=dst)
         arr = flat.numpy()
-        sums = [codec.checksum(self._kind, [arr[start + i * payload : start + (i + 1) * payload]]) for i in range(k)]
+        sums = codec.block_checksums(self._kind, arr[start : start + k * payload].reshape(k, payload)).tolist()
         arr[:start] = np.frombuffer(FORMAT.pack(keys, layout.fingerprint, sums, self._kind), dtype=np.uint8)
 
     def _locate_saved(self, m: _Manager, pieces: Sequence[tuple[int, int]], keys: Sequence[bytes], lkeys: Sequence[Any]) -> None:
@@ -814,14 +814,11 @@ class LMCacheStore(_Handle, StoreIO):
         count = 1
         while pos + count < len(chunk.keys) and i + count < len(op.keys) and chunk.keys[pos + count] == op.keys[i + count]:
             count += 1
-        good = count
-        for j in range(count):  # each block checked before it is copied
-            try:
-                chunk.verify(pos + j, [arr[chunk.offset(pos + j) : chunk.offset(pos + j + 1)]])
-            except Corrupted as bad:
-                self._reject(m, want.key, want.tier, bad)
-                good = j
-                break
+        # each block checked before it is copied, all in one call
+        good = chunk.first_bad(pos, arr[chunk.offset(pos) : chunk.offset(pos + count)].reshape(count, chunk.payload))
+        if good < count:
+            damage = Corrupted(f"checksum mismatch in block {pos + good} of {len(chunk.keys)}", damaged=True)
+            self._reject(m, want.key, want.tier, damage)
         if good:
             body = flat[chunk.header_bytes :].view(len(chunk.keys), layout.num_layers, layout.block_bytes)[pos : pos + good]
             self._scatter(layout, ids[i : i + good], body, None if host is None else host[:, i : i + good])

@@ -173,6 +173,21 @@ def checksum(kind: int, parts: Sequence[Any]) -> int:
     return crc
 
 
+def block_checksums(kind: int, blocks: np.ndarray) -> np.ndarray:
+    """The checksum of each row of ``blocks`` (contiguous uint8 ``[n, payload]``: an object's blocks, one
+    after another), ``uint32 [n]``. crc32c goes through :mod:`kvbridge._ucp` in one call, the GIL released,
+    where it is built; otherwise one :func:`checksum` per block."""
+    if kind == CRC32C and blocks.size and blocks.flags.c_contiguous:
+        from kvbridge import native  # here: codec is imported where the native module is not wanted
+
+        mod = native.load()[0]
+        if mod is not None and getattr(mod, "HAS_CRC32C", False):
+            n, payload = blocks.shape
+            addresses = np.uint64(blocks.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(payload)
+            return np.frombuffer(mod.crc32c(addresses, payload, 1), "<u4").astype(np.uint32)
+    return np.asarray([checksum(kind, [row]) for row in blocks], dtype=np.uint32)
+
+
 def key_digest(key: bytes) -> bytes:
     """The 16 bytes that stand for ``key`` in a header without room for it."""
     return hashlib.blake2b(key, digest_size=16).digest()
@@ -309,6 +324,12 @@ class Chunk:
         """Raise :class:`Corrupted` (damaged) unless ``parts`` (block ``i``'s payload, in order) match its checksum."""
         if checksum(self.kind, parts) != self.checksums[i]:
             raise Corrupted(f"checksum mismatch in block {i} of {len(self.keys)}", damaged=True)
+
+    def first_bad(self, i: int, blocks: np.ndarray) -> int:
+        """How many of ``blocks`` (contiguous ``[n, payload]``: blocks ``i..i+n-1`` of this object) match
+        their checksums, from the first (``n``: all of them)."""
+        bad = np.flatnonzero(block_checksums(self.kind, blocks) != np.asarray(self.checksums[i : i + len(blocks)], dtype=np.uint32))
+        return int(bad[0]) if bad.size else len(blocks)
 
 
 @dataclasses.dataclass(frozen=True)

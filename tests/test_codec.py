@@ -417,3 +417,16 @@ def test_crc32c_chunk_where_crc32c_is_missing_is_foreign(monkeypatch):
     with pytest.raises(Corrupted, match="cannot be verified") as err:
         obj.parse()
     assert not err.value.damaged
+
+
+@pytest.mark.parametrize("kind", [codec.CRC32, codec.CRC32C])
+def test_block_checksums_are_each_blocks_checksum(kind):
+    """One call for every block of an object (native crc32c where built) gives what one checksum per block
+    gives; a flipped byte makes that block the first bad one."""
+    if kind == codec.CRC32C and codec._google_crc32c() is None:
+        pytest.skip("google-crc32c is not installed")
+    blocks = np.random.default_rng(3).integers(0, 256, (5, 3000), dtype=np.uint8)
+    sums = codec.block_checksums(kind, blocks)
+    assert sums.tolist() == [codec.checksum(kind, [row]) for row in blocks]
+    blocks[3, 1234] ^= 0x10
+    assert codec.block_checksums(kind, blocks)[3] != sums[3]
