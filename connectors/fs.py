@@ -167,7 +167,9 @@ class FsOptions:
         require(1 <= self.io_threads <= 64, f"fs option 'io_threads' must be in [1, 64], got {self.io_threads}")
 
 
-# a block of a save (its index in the op) -> its pieces' addresses and lengths, where kvbridge._ucp moves them
+# a block of a save (its index in the op) -> its bytes: views of them (_Parts), or, where kvbridge._ucp
+# moves them, their pieces' addresses and lengths (_Pieces); a save is given one of the two
+_Parts = Callable[[int], list[Any]] | None
 _Pieces = Callable[[int], tuple[np.ndarray, np.ndarray]] | None
 
 
@@ -809,7 +811,7 @@ class FsStore(_Tree, StoreIO):
             self._make_room(sum(FORMAT.header_length(o.keys, layout.fingerprint) + len(o.keys) * payload for o in objects))
         if self._native_crc(layout):
             pieces = lambda i: self._pieces(layout, op.block_ids[i : i + 1])  # noqa: E731
-            self._save_objects(op, layout, objects, lambda i: [], pieces)  # blocks move by address, not by view
+            self._save_objects(op, layout, objects, None, pieces)  # blocks move by address, not by view
             return
         blocks = self._blocks(layout)
         if blocks is not None:
@@ -837,7 +839,7 @@ class FsStore(_Tree, StoreIO):
         return out
 
     def _save_objects(
-        self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: Callable[[int], list[Any]], pieces: _Pieces = None
+        self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: _Parts, pieces: _Pieces = None
     ) -> None:
         # a window of objects at a time (one per thread), published before the next is written: a full disk
         # keeps every chunk of the save but those of the window it stopped in
@@ -851,7 +853,7 @@ class FsStore(_Tree, StoreIO):
                     self._discard(o)
 
     def _write_window(
-        self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: Callable[[int], list[Any]], pieces: _Pieces
+        self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: _Parts, pieces: _Pieces
     ) -> None:
         payload = layout.num_layers * layout.block_bytes
         direct = self._direct if payload % _ALIGN == 0 else 0
@@ -887,6 +889,7 @@ class FsStore(_Tree, StoreIO):
                 if pieces is not None and not direct:  # kvbridge._ucp: checksum and write, the GIL released
                     o.sums[j] = self._write_native(o.fd, off, *pieces(o.lo + j - o.head))
                     return
+                assert parts is not None  # one of parts and pieces is given
                 src = parts(o.lo + j - o.head)
                 if direct:  # O_DIRECT writes from an aligned buffer
                     buf = self._buffer(payload)[:payload]
