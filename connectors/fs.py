@@ -687,46 +687,33 @@ class FsStore(_Tree, StoreIO):
         return addresses.transpose(1, 0, 2).reshape(-1), at.lengths(len(block_ids))
 
     def _read_native(self, op: BlockLoad, layout: KVLayout, reads: list[_Read], covered: int) -> int:
-        """Every located block read straight into its block of the KV and checked there, by ``io_threads``
-        threads each taking a stretch of consecutive blocks of one object; how many from the first
-        arrived (a block that failed is handled as :meth:`_read_blocks` does)."""
+        """Every located block read straight into its block of the KV and checked there, in one call on
+        the native threads (``file_start``: blocks cut between them, each block's crc taken as it lands);
+        how many from the first arrived (a block that failed is handled as :meth:`_read_blocks` does)."""
         mod = self._native
         assert mod is not None
         payload = layout.num_layers * layout.block_bytes
-        per = -(-covered // self.options.io_threads)
-        runs = [(r, s, min(per, r.count - s)) for r in reads for s in range(0, r.count, per)]
-        _, lengths = self._pieces(layout, op.block_ids[:1])
-        parts = len(lengths)  # pieces of a block
-        span = np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.uint64)  # each piece's place in the block
-
-        def place(k: int) -> tuple[int, BaseException | None]:
-            """How many blocks of run ``k`` arrived whole and checked, and why the next one did not."""
-            r, skip, n = runs[k]
-            at, pos = r.at + skip, r.first + skip
-            addresses, lengths = self._pieces(layout, op.block_ids[at : at + n])
-            starts = np.uint64(r.chunk.offset(pos)) + np.arange(n, dtype=np.uint64).reshape(-1, 1) * np.uint64(payload)
-            try:
-                got = mod.file_io(r.fd, (starts + span).reshape(-1), addresses, lengths)
-            except OSError as exc:
-                return 0, exc
-            whole = min(n, got // payload)
-            sums = np.frombuffer(mod.crc32c(addresses[: whole * parts], lengths[: whole * parts], parts), "<u4")
-            bad = np.flatnonzero(sums != np.asarray(r.chunk.checksums[pos : pos + whole], dtype=np.uint32))
+        addresses, lengths = self._pieces(layout, op.block_ids[:covered])
+        parts = len(lengths) // covered  # pieces of a block
+        span = np.concatenate(([0], np.cumsum(lengths[: parts - 1]))).astype(np.uint64)  # each piece's place in its block
+        step = np.arange(max(r.count for r in reads), dtype=np.uint64) * np.uint64(payload)
+        starts = np.concatenate([np.uint64(r.chunk.offset(r.first)) + step[: r.count] for r in reads])
+        fds = np.repeat(np.array([r.fd for r in reads], np.uint64), [r.count * parts for r in reads])
+        running = mod.file_start(fds, (starts.reshape(-1, 1) + span).reshape(-1), addresses, lengths, parts,
+                                 cut_bytes=2 * payload)  # fmt: skip
+        sums, whole, err = running.checked()
+        want = np.concatenate([np.asarray(r.chunk.checksums[r.first : r.first + r.count], np.uint32) for r in reads])
+        bad = np.flatnonzero(np.frombuffer(sums, "<u4")[:whole] != want[:whole])
+        good = int(bad[0]) if bad.size else whole
+        if good < covered:
+            r = next(r for r in reads if r.at <= good < r.at + r.count)
+            pos = r.first + good - r.at
             if bad.size:
-                return int(bad[0]), Corrupted(f"checksum mismatch in block {pos + int(bad[0])} of {len(r.chunk.keys)}", damaged=True)
-            if whole < n:
-                return whole, Corrupted(f"block {pos + whole} cut short", damaged=True)
-            return n, None
-
-        good = 0
-        for (r, skip, _), (arrived, why) in zip(runs, self._parallel(len(runs), place)):
-            good = r.at + skip + arrived
-            if isinstance(why, Corrupted):
-                self._reject(r.path, r.fd, why)
-                break
-            if why is not None:
-                log.warning("fs store: reading %s failed (%s)", r.path, why)
-                break
+                self._reject(r.path, r.fd, Corrupted(f"checksum mismatch in block {pos} of {len(r.chunk.keys)}", damaged=True))
+            elif err:
+                log.warning("fs store: reading %s failed (%s)", r.path, os.strerror(err))
+            else:
+                self._reject(r.path, r.fd, Corrupted(f"block {pos} cut short", damaged=True))
         return good
 
     def _load_resliced(self, op: BlockLoad, layout: KVLayout, tp: int) -> int:

@@ -11,7 +11,9 @@
  *             streaming=False, cut_bytes=8 MiB)  reads of cut_bytes or more are cut between the threads
  *   cma_drain(timeout_s)                           the caller keeps its destination alive until then
  *   file_io(fd, offsets, addresses, lengths)      preadv/pwritev of a store's blocks (GIL released)
- *   crc32c(addresses, lengths, parts)            their checksums, SSE4.2, three lanes
+ *   crc32c(addresses, lengths, parts)            their checksums (SSE4.2 lanes, carry-less folds)
+ *   file_start(fds, offsets, addresses, lengths, blocks read and checked on the native threads ->
+ *              parts, cut_bytes=8 MiB)           CmaRead (.checked() -> sums, blocks read whole, errno)
  *   Context(tls=None, progress_thread=False)     one ucp context + one worker, guarded by one mutex
  *     .address .map() .connect() .progress() .close()
  *   Region    (.rkey .address .length .memory_type .close())
@@ -355,6 +357,11 @@ typedef struct cma_piece {
 typedef struct CmaReadObject {
     PyObject_HEAD
     descs d;               /* the caller's arrays, viewed until this object dies */
+    int checked_file;      /* 1: made by file_start(): d.remote holds file offsets, read from fds, checked */
+    vec_arg fds;           /* file_start(): each descriptor's file */
+    Py_ssize_t parts;      /* file_start(): descriptors per block (pieces are cut between blocks) */
+    uint32_t *sums;        /* file_start(): each block's crc32c, for the blocks read whole */
+    Py_ssize_t whole;      /* file_start(): blocks from the first read whole, before any short or failed one */
     pid_t pid;
     int streaming;         /* pid 0: streaming stores (local_copy) */
     uint64_t cut_bytes;    /* cut from this many bytes (cma_cut) */
@@ -395,10 +402,13 @@ static uint64_t cma_seal(CmaReadObject *r) {
     return word;
 }
 
+static int file_read_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total);
+
 static void cma_run(cma_piece *p) {
     CmaReadObject *r = p->read;
     uint64_t total = 0;
-    int err = move_descs(r->pid, &r->d, p->lo, p->hi, r->streaming, &total);
+    int err = r->checked_file ? file_read_checked(r, p->lo, p->hi, &total)
+                              : move_descs(r->pid, &r->d, p->lo, p->hi, r->streaming, &total);
     pthread_mutex_lock(&cma_queue.lock);
     r->total += total;
     if (err && !r->err) r->err = err;
@@ -442,7 +452,8 @@ static void cma_after_fork(void) {
     cma_queue.gen++;
 }
 
-/* Cut r's descriptors into pieces of about equal bytes (whole descriptors each; one piece below
+/* Cut r's descriptors into pieces of about equal bytes (whole descriptors each, whole blocks for a
+ * file_start(); one piece below
  * r->cut_bytes, else at most one per thread that exists, each at least CMA_PIECE_BYTES unless cut_bytes
  * asks for less).  Returns how many. */
 static int cma_cut(CmaReadObject *r, int threads) {
@@ -458,7 +469,7 @@ static int cma_cut(CmaReadObject *r, int threads) {
         r->pieces[k] = (cma_piece){r, i, d->n, NULL};
         if (k == n - 1) break;
         uint64_t goal = bytes / (uint64_t)n * (uint64_t)(k + 1);
-        while (i < d->n && sum < goal) sum += vec_u64(&d->lengths, i++);
+        while (i < d->n && (sum < goal || (r->checked_file && i % r->parts))) sum += vec_u64(&d->lengths, i++);
         r->pieces[k].hi = i;
     }
     return n;
@@ -512,26 +523,14 @@ static int cma_wait_done(CmaReadObject *r, double timeout_s) {
 
 static PyTypeObject CmaReadType;
 
-static PyObject *py_cma_start(PyObject *mod, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"pid", "remote", "local", "lengths", "seal_address", "streaming", "cut_bytes", NULL};
-    int pid, streaming = 0;
-    unsigned long long seal = 0, cut = CMA_CUT_BYTES;
-    PyObject *ro, *lo, *no;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO|K$pK", kwlist, &pid, &ro, &lo, &no, &seal, &streaming, &cut))
-        return NULL;
-    CmaReadObject *r = PyObject_New(CmaReadObject, &CmaReadType);
-    if (!r) return NULL;
-    r->done = 1; /* until queued: dealloc must not wait for a read that never started */
-    if (descs_parse(&r->d, ro, lo, no, NULL) < 0) {
-        Py_DECREF(r);
-        return NULL;
-    }
-    r->pid = (pid_t)pid;
-    r->streaming = streaming;
-    r->cut_bytes = cut;
-    r->seal_address = seal;
-    r->total = r->word = 0;
-    r->err = 0;
+/* A new read's fields, before its arrays are parsed: done, so that dealloc waits for nothing. */
+static void cma_clear(CmaReadObject *r) {
+    memset((char *)r + sizeof(PyObject), 0, sizeof(*r) - sizeof(PyObject));
+    r->done = 1;
+}
+
+/* Queue r (its fields set) on the threads; r itself, or NULL with OSError (r released). */
+static PyObject *cma_queued(CmaReadObject *r) {
     pthread_mutex_lock(&cma_queue.lock);
     r->done = 0;
     int err = cma_enqueue(r);
@@ -543,6 +542,27 @@ static PyObject *py_cma_start(PyObject *mod, PyObject *args, PyObject *kw) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     return (PyObject *)r;
+}
+
+static PyObject *py_cma_start(PyObject *mod, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"pid", "remote", "local", "lengths", "seal_address", "streaming", "cut_bytes", NULL};
+    int pid, streaming = 0;
+    unsigned long long seal = 0, cut = CMA_CUT_BYTES;
+    PyObject *ro, *lo, *no;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO|K$pK", kwlist, &pid, &ro, &lo, &no, &seal, &streaming, &cut))
+        return NULL;
+    CmaReadObject *r = PyObject_New(CmaReadObject, &CmaReadType);
+    if (!r) return NULL;
+    cma_clear(r);
+    if (descs_parse(&r->d, ro, lo, no, NULL) < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->pid = (pid_t)pid;
+    r->streaming = streaming;
+    r->cut_bytes = cut;
+    r->seal_address = seal;
+    return cma_queued(r);
 }
 
 /* cma_drain(timeout_s) -> True once no read is queued or running.  The caller of cma_start keeps the
@@ -600,13 +620,25 @@ static PyObject *cma_result(CmaReadObject *r, PyObject *unused) {
 static void cma_dealloc(CmaReadObject *r) {
     cma_wait_done(r, -1.0); /* a queued or running read still uses r: it must be over first */
     descs_release(&r->d);
+    vec_release(&r->fds);
+    free(r->sums);
     PyObject_Free(r);
+}
+
+/* checked() -> (sums, whole, errno), for a file_start(): waits for the end; `sums` holds the crc32c of
+ * each block as little-endian uint32s, valid for the first `whole` blocks (read whole, before any that
+ * was short or failed); errno: why the block after them failed (0: short, or none failed). */
+static PyObject *cma_checked(CmaReadObject *r, PyObject *unused) {
+    if (!r->checked_file) return PyErr_Format(PyExc_TypeError, "checked(): not a file_start() read");
+    cma_wait_done(r, -1.0);
+    return Py_BuildValue("(y#ni)", (const char *)r->sums, (Py_ssize_t)(4 * (r->d.n / r->parts)), r->whole, r->err);
 }
 
 static PyMethodDef cma_methods[] = {
     {"wait", (PyCFunction)cma_wait, METH_VARARGS, "wait(timeout_s=None) -> bool: over (GIL released)"},
     {"done", (PyCFunction)cma_done, METH_NOARGS, "done() -> bool, without waiting"},
     {"result", (PyCFunction)cma_result, METH_NOARGS, "result() -> (bytes copied, seal word); OSError on failure"},
+    {"checked", (PyCFunction)cma_checked, METH_NOARGS, "checked() -> (sums, whole, errno) of a file_start()"},
     {NULL}};
 
 static PyTypeObject CmaReadType = {
@@ -628,14 +660,24 @@ static PyTypeObject CmaReadType = {
 /* Move descriptors of one file: remote = file offset, local = memory address.  Descriptors whose file
  * ranges continue each other go to the kernel as one preadv/pwritev (up to IOV_MAX pieces).  A read stops
  * at the end of the file.  Returns 0 or an errno; *total = bytes moved. */
+static int file_range(const vec_arg *fds, const descs *d, Py_ssize_t lo, Py_ssize_t hi, int write, uint64_t *total);
+
 static int file_move(int fd, const descs *d, int write, uint64_t *total) {
+    vec_arg one = {.scalar = (uint64_t)fd, .n = -1, .itemsize = 8};
+    return file_range(&one, d, 0, d->n, write, total);
+}
+
+/* Descriptors [lo, hi), each of its own file (fds: a descriptor's fd, or one for all); a run breaks
+ * where the file changes too. */
+static int file_range(const vec_arg *fds, const descs *d, Py_ssize_t lo, Py_ssize_t hi, int write, uint64_t *total) {
     static __thread struct iovec iov[IOV_MAX];
     *total = 0;
-    Py_ssize_t i = 0;
-    while (i < d->n) {
+    Py_ssize_t i = lo;
+    while (i < hi) {
         uint64_t offset = vec_u64(&d->remote, i), end = offset;
+        int fd = (int)vec_u64(fds, i);
         int k = 0;
-        for (; i < d->n && k < IOV_MAX && vec_u64(&d->remote, i) == end; i++, k++) {
+        for (; i < hi && k < IOV_MAX && vec_u64(&d->remote, i) == end && (int)vec_u64(fds, i) == fd; i++, k++) {
             uint64_t n = vec_u64(&d->lengths, i);
             iov[k] = (struct iovec){(void *)(uintptr_t)vec_u64(&d->local, i), n};
             end += n;
@@ -672,13 +714,25 @@ static PyObject *py_file_io(PyObject *mod, PyObject *args, PyObject *kw) {
 /* crc32c (Castagnoli, as google-crc32c and iSCSI) with the SSE4.2 instruction, three lanes at once: one
  * lane waits 3 cycles per 8 bytes on the instruction's latency, three interleaved lanes keep it busy
  * (~3x).  Lanes b and c start from 0 and are joined by linearity: crc(s, A B) = shift(crc(s, A)) ^ crc(0,
- * B), where shift moves a state over CRC_LANE zero bytes, a linear map applied by four table lookups. */
+ * B), where shift moves a state over CRC_LANE zero bytes, a linear map applied by four table lookups.
+ *
+ * Where the CPU also has VPCLMULQDQ (carry-less multiply on 256-bit registers: AMD Zen 3, Intel Ice Lake
+ * and later), a round of CRC_ROUND bytes runs two engines at once (crc_round): the first half is folded
+ * by carry-less multiplies, the second half goes through the crc32 instruction in four lanes.  They use
+ * different execution units, so the round costs about what either half would alone: measured here
+ * 33 GB/s on 8 MiB against 22 for the three lanes. */
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <nmmintrin.h>
-#define CRC_LANE 4096 /* bytes per lane per round */
+#include <immintrin.h>
+#define CRC_LANE 2048                  /* bytes per lane per round */
+#define CRC_FOLDED (4 * CRC_LANE)      /* bytes a round folds by carry-less multiplies */
+#define CRC_ROUND (CRC_FOLDED + 4 * CRC_LANE)
 
 static uint32_t crc_shift_table[4][256];
 static int crc_ready; /* 1: the CPU has SSE4.2 and the table is made */
+static int crc_fold;  /* 1: it also has AVX2, PCLMULQDQ and VPCLMULQDQ (crc_round) */
+/* Fold constants (see crc_init): x^(8d +- 32) mod P for a distance of d = 128 and 16 bytes, each as a
+ * pair (the low and high 64 bits of a 128-bit lane move by different powers). */
+static uint64_t crc_k128[2], crc_k16[2];
 
 __attribute__((target("sse4.2"))) static uint32_t crc_lane(uint32_t s, const unsigned char *p, size_t n) {
     uint64_t c = s;
@@ -697,13 +751,20 @@ static uint32_t crc_shift(uint32_t s) {
            crc_shift_table[3][s >> 24];
 }
 
+static const unsigned char crc_zeros[CRC_LANE];
+
+/* x^n mod P in the bit-reflected form a carry-less multiply wants (one bit up: the product of two
+ * reflected 64-bit numbers lands one bit low): the state for x^(n mod 8) run over n / 8 zero bytes. */
+static uint64_t crc_xpow(int n) {
+    return (uint64_t)crc_lane(1u << (31 - n % 8), crc_zeros, (size_t)(n / 8)) << 1;
+}
+
 /* The shift table: column j is the state 1 << j run over CRC_LANE zero bytes; entry [k][b] is the xor
- * of the columns of b's bits at byte k. */
+ * of the columns of b's bits at byte k.  Then the fold constants, where the CPU can fold. */
 static void crc_init(void) {
     if (!__builtin_cpu_supports("sse4.2")) return;
-    static const unsigned char zeros[CRC_LANE];
     uint32_t column[32];
-    for (int j = 0; j < 32; j++) column[j] = crc_lane(1u << j, zeros, CRC_LANE);
+    for (int j = 0; j < 32; j++) column[j] = crc_lane(1u << j, crc_zeros, CRC_LANE);
     for (int k = 0; k < 4; k++)
         for (int b = 0; b < 256; b++) {
             uint32_t x = 0;
@@ -711,10 +772,72 @@ static void crc_init(void) {
                 if (b >> j & 1) x ^= column[8 * k + j];
             crc_shift_table[k][b] = x;
         }
+    crc_k128[0] = crc_xpow(8 * 128 + 32), crc_k128[1] = crc_xpow(8 * 128 - 32);
+    crc_k16[0] = crc_xpow(8 * 16 + 32), crc_k16[1] = crc_xpow(8 * 16 - 32);
+    crc_fold = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("pclmul") &&
+               __builtin_cpu_supports("vpclmulqdq");
     crc_ready = 1;
 }
 
-__attribute__((target("sse4.2"))) static uint32_t crc_update(uint32_t s, const unsigned char *p, size_t n) {
+/* A 128-bit lane of message moved d bytes on (its constants for d), ready to be xored into the lane d
+ * bytes later: the crc of the message is unchanged.  Two of them in each 256-bit register. */
+__attribute__((target("avx2,vpclmulqdq"))) static __m256i crc_fold256(__m256i x, __m256i k) {
+    return _mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00), _mm256_clmulepi64_epi128(x, k, 0x11));
+}
+
+__attribute__((target("pclmul"))) static __m128i crc_fold128(__m128i x, __m128i k) {
+    return _mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11));
+}
+
+/* One round of CRC_ROUND bytes from state s.  The first CRC_FOLDED bytes sit in eight 128-bit lanes (four
+ * registers) that each fold 128 bytes on per step; the state is xored into the first (crc(s, M) is
+ * crc(0, M) with s xored into M's first four bytes).  Meanwhile four crc32 lanes run over the rest.
+ * The eight lanes then fold into one, whose crc from 0 is the folded part's; the crc32 lanes join it
+ * by shifts, as in crc_update. */
+__attribute__((target("avx2,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc_round(uint32_t s, const unsigned char *p) {
+    const __m256i k = _mm256_set_epi64x((long long)crc_k128[1], (long long)crc_k128[0], (long long)crc_k128[1],
+                                        (long long)crc_k128[0]);
+    __m256i y[4];
+    for (int j = 0; j < 4; j++) y[j] = _mm256_loadu_si256((const __m256i *)p + j);
+    y[0] = _mm256_xor_si256(y[0], _mm256_castsi128_si256(_mm_cvtsi32_si128((int)s)));
+    const unsigned char *q = p + CRC_FOLDED;
+    uint64_t a = 0, b = 0, c = 0, d = 0;
+    for (size_t i = 0; i < CRC_LANE; i += 32) {
+        if (i + 32 < CRC_LANE) { /* 128 bytes folded per 32 bytes of each crc32 lane */
+            const __m256i *next = (const __m256i *)(p + 128 + 4 * i);
+            for (int j = 0; j < 4; j++) y[j] = _mm256_xor_si256(crc_fold256(y[j], k), _mm256_loadu_si256(next + j));
+        }
+        for (size_t o = i; o < i + 32; o += 8) {
+            uint64_t wa, wb, wc, wd;
+            memcpy(&wa, q + o, 8);
+            memcpy(&wb, q + CRC_LANE + o, 8);
+            memcpy(&wc, q + 2 * CRC_LANE + o, 8);
+            memcpy(&wd, q + 3 * CRC_LANE + o, 8);
+            a = _mm_crc32_u64(a, wa);
+            b = _mm_crc32_u64(b, wb);
+            c = _mm_crc32_u64(c, wc);
+            d = _mm_crc32_u64(d, wd);
+        }
+    }
+    const __m128i k16 = _mm_set_epi64x((long long)crc_k16[1], (long long)crc_k16[0]);
+    __m128i x = _mm256_castsi256_si128(y[0]);
+    x = _mm_xor_si128(crc_fold128(x, k16), _mm256_extracti128_si256(y[0], 1));
+    for (int j = 1; j < 4; j++) {
+        x = _mm_xor_si128(crc_fold128(x, k16), _mm256_castsi256_si128(y[j]));
+        x = _mm_xor_si128(crc_fold128(x, k16), _mm256_extracti128_si256(y[j], 1));
+    }
+    uint64_t folded = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(x));
+    folded = _mm_crc32_u64(folded, (uint64_t)_mm_extract_epi64(x, 1));
+    s = crc_shift((uint32_t)folded) ^ (uint32_t)a;
+    s = crc_shift(s) ^ (uint32_t)b;
+    s = crc_shift(s) ^ (uint32_t)c;
+    return crc_shift(s) ^ (uint32_t)d;
+}
+
+/* `fold` 0: the three crc32 lanes only, even where crc_round could run (a test checks one against the other) */
+__attribute__((target("sse4.2"))) static uint32_t crc_update(uint32_t s, const unsigned char *p, size_t n, int fold) {
+    if (fold && crc_fold)
+        for (; n >= CRC_ROUND; n -= CRC_ROUND, p += CRC_ROUND) s = crc_round(s, p);
     for (; n >= 3 * CRC_LANE; n -= 3 * CRC_LANE, p += 3 * CRC_LANE) {
         uint64_t a = s, b = 0, c = 0;
         for (size_t i = 0; i < CRC_LANE; i += 8) {
@@ -733,15 +856,18 @@ __attribute__((target("sse4.2"))) static uint32_t crc_update(uint32_t s, const u
 #else /* no SSE4.2 here: crc32c() refuses (HAS_CRC32C is 0) and fs checks through google-crc32c */
 static int crc_ready;
 static void crc_init(void) {}
-static uint32_t crc_update(uint32_t s, const unsigned char *p, size_t n) { return s; }
+static int crc_fold;
+static uint32_t crc_update(uint32_t s, const unsigned char *p, size_t n, int fold) { return s; }
 #endif
 
-/* crc32c(addresses, lengths, parts) -> bytes: the crc32c of each run of `parts` consecutive pieces (a
- * block's pieces, in order), as little-endian uint32s; the GIL released. */
-static PyObject *py_crc32c(PyObject *mod, PyObject *args) {
+/* crc32c(addresses, lengths, parts, *, fold=True) -> bytes: the crc32c of each run of `parts` consecutive
+ * pieces (a block's pieces, in order), as little-endian uint32s; the GIL released. */
+static PyObject *py_crc32c(PyObject *mod, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"addresses", "lengths", "parts", "fold", NULL};
     PyObject *ao, *no;
     Py_ssize_t parts;
-    if (!PyArg_ParseTuple(args, "OOn", &ao, &no, &parts)) return NULL;
+    int fold = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOn|$p", kwlist, &ao, &no, &parts, &fold)) return NULL;
     if (!crc_ready) return PyErr_Format(PyExc_RuntimeError, "crc32c: this CPU has no SSE4.2 (use google-crc32c)");
     descs d;
     if (descs_parse(&d, ao, ao, no, NULL) < 0) return NULL;
@@ -759,13 +885,77 @@ static PyObject *py_crc32c(PyObject *mod, PyObject *args) {
     for (Py_ssize_t g = 0; g < d.n / parts; g++) {
         uint32_t s = 0xFFFFFFFFu; /* crc32c's initial state; the result is its complement */
         for (Py_ssize_t i = g * parts; i < (g + 1) * parts; i++)
-            s = crc_update(s, (const unsigned char *)(uintptr_t)vec_u64(&d.local, i), vec_u64(&d.lengths, i));
+            s = crc_update(s, (const unsigned char *)(uintptr_t)vec_u64(&d.local, i), vec_u64(&d.lengths, i), fold);
         s = ~s;
         for (int b = 0; b < 4; b++) sums[4 * g + b] = (unsigned char)(s >> (8 * b));
     }
     Py_END_ALLOW_THREADS
     descs_release(&d);
     return out;
+}
+
+/* file_start()'s work on one thread: blocks [lo / parts, hi / parts) read and checked one after another,
+ * each block's crc taken right after its read, while its bytes are still in the cache.  A block that
+ * comes short or fails ends the piece and lowers r->whole to it; the blocks after it are not read. */
+static int file_read_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total) {
+    const descs *d = &r->d;
+    *total = 0;
+    for (Py_ssize_t i = lo; i < hi; i += r->parts) {
+        uint64_t want = 0, got = 0;
+        for (Py_ssize_t j = i; j < i + r->parts; j++) want += vec_u64(&d->lengths, j);
+        int err = file_range(&r->fds, d, i, i + r->parts, 0, &got);
+        *total += got;
+        if (err || got < want) {
+            pthread_mutex_lock(&cma_queue.lock);
+            if (i / r->parts < r->whole) r->whole = i / r->parts;
+            pthread_mutex_unlock(&cma_queue.lock);
+            return err;
+        }
+        uint32_t s = 0xFFFFFFFFu;
+        for (Py_ssize_t j = i; j < i + r->parts; j++)
+            s = crc_update(s, (const unsigned char *)(uintptr_t)vec_u64(&d->local, j), vec_u64(&d->lengths, j), 1);
+        s = ~s;
+        memcpy(&r->sums[i / r->parts], &s, 4); /* x86-64 (crc_ready): little-endian, as crc32c() writes */
+    }
+    return 0;
+}
+
+/* file_start(fds, offsets, addresses, lengths, parts, *, cut_bytes) -> CmaRead: a store's load on the
+ * native threads.  Every `parts` descriptors (file offset, address, length; each with its fd) are one
+ * block, read into place and its crc32c taken; blocks are cut between the threads from cut_bytes.  One
+ * call instead of a Python thread per stretch of blocks: handing those out and joining them cost more
+ * than the read here (~0.35 ms of an 8 MiB load).  The caller keeps the files open and the memory alive
+ * until checked() returned. */
+static PyObject *py_file_start(PyObject *mod, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"fds", "offsets", "addresses", "lengths", "parts", "cut_bytes", NULL};
+    PyObject *fo, *oo, *ao, *no;
+    Py_ssize_t parts;
+    unsigned long long cut = CMA_CUT_BYTES;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOn|$K", kwlist, &fo, &oo, &ao, &no, &parts, &cut)) return NULL;
+    if (!crc_ready) return PyErr_Format(PyExc_RuntimeError, "file_start: this CPU has no SSE4.2 (use google-crc32c)");
+    CmaReadObject *r = PyObject_New(CmaReadObject, &CmaReadType);
+    if (!r) return NULL;
+    cma_clear(r);
+    if (descs_parse(&r->d, oo, ao, no, NULL) < 0 || vec_parse(fo, "fds", 8, 1, &r->fds) < 0 ||
+        descs_count(&r->d, &r->fds, "fds") < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    if (parts <= 0 || r->d.n % parts) {
+        PyErr_Format(PyExc_ValueError, "file_start: %zd pieces are not runs of %zd", r->d.n, parts);
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->sums = calloc((size_t)(r->d.n / parts) + 1, 4);
+    if (!r->sums) {
+        Py_DECREF(r);
+        return PyErr_NoMemory();
+    }
+    r->checked_file = 1;
+    r->parts = parts;
+    r->whole = r->d.n / parts;
+    r->cut_bytes = cut;
+    return cma_queued(r);
 }
 
 /* ------------------------------------------------------------------------------------------ Context */
@@ -1708,8 +1898,11 @@ static PyMethodDef module_methods[] = {
     {"file_io", (PyCFunction)(void (*)(void))py_file_io, METH_VARARGS | METH_KEYWORDS,
      "file_io(fd, offsets, addresses, lengths, *, write=False) -> bytes moved by preadv/pwritev of runs of "
      "descriptors (GIL released; a read stops at the end of the file)"},
-    {"crc32c", py_crc32c, METH_VARARGS,
-     "crc32c(addresses, lengths, parts) -> bytes: crc32c of each run of `parts` pieces, little-endian uint32s"},
+    {"file_start", (PyCFunction)(void (*)(void))py_file_start, METH_VARARGS | METH_KEYWORDS,
+     "file_start(fds, offsets, addresses, lengths, parts, *, cut_bytes) -> CmaRead: blocks read and checked"},
+    {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_VARARGS | METH_KEYWORDS,
+     "crc32c(addresses, lengths, parts, *, fold=True) -> bytes: crc32c of each run of `parts` pieces, little-endian "
+     "uint32s (fold=False: without the carry-less multiplies, where HAS_CRC32C_FOLD)"},
     {"version", py_version, METH_NOARGS, "the loaded libucp's version, (major, minor, release)"},
     {NULL}};
 
@@ -1727,6 +1920,7 @@ PyMODINIT_FUNC PyInit__ucp(void) {
     PyObject *m = PyModule_Create(&module_def);
     if (!m) return NULL;
     if (PyModule_AddIntConstant(m, "HAS_CRC32C", crc_ready) < 0) goto fail;
+    if (PyModule_AddIntConstant(m, "HAS_CRC32C_FOLD", crc_ready && crc_fold) < 0) goto fail;
     for (int i = 0; i < 4; i++)
         if (PyModule_AddObjectRef(m, names[i], (PyObject *)types[i]) < 0) goto fail;
     PyObject *api = Py_BuildValue("(ii)", UCP_API_MAJOR, UCP_API_MINOR);

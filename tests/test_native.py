@@ -4,6 +4,7 @@ i * PATTERN_K, so every byte read can be checked here without a second copy."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib
 import json
@@ -265,20 +266,27 @@ def test_local_copies_with_streaming_stores_are_bit_exact(cut_bytes: int) -> Non
     assert np.array_equal(dst, want)
 
 
-def test_crc32c_matches_google_crc32c_over_runs_of_pieces() -> None:
-    """The native crc32c (three lanes, joined by the shift table) is crc32c: the check value, and what
-    google-crc32c gives for runs of pieces of every length and alignment, lanes' seams included."""
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "lanes"])
+def test_crc32c_matches_google_crc32c_over_runs_of_pieces(fold: bool) -> None:
+    """The native crc32c is crc32c: the check value, and what google-crc32c gives for runs of pieces of
+    every length and alignment, seams included: the three lanes' (3 x 2 KiB), and where the CPU folds by
+    carry-less multiplies (``fold``), its rounds' (16 KiB)."""
     if not ucp.HAS_CRC32C:
         pytest.skip("no SSE4.2 here")
+    if fold and not ucp.HAS_CRC32C_FOLD:
+        pytest.skip("no VPCLMULQDQ here: the lanes alone run")
     google = pytest.importorskip("google_crc32c")
     check = np.frombuffer(b"123456789", np.uint8)
-    assert np.frombuffer(ucp.crc32c(np.array([check.ctypes.data], np.uint64), 9, 1), "<u4")[0] == 0xE3069283
+    assert np.frombuffer(ucp.crc32c(np.array([check.ctypes.data], np.uint64), 9, 1, fold=fold), "<u4")[0] == 0xE3069283
     rng = np.random.default_rng(9)
     buf = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
-    lengths = np.array([0, 1, 7, 8, 9, 4095, 3 * 4096 - 1, 3 * 4096, 3 * 4096 + 1, 7 * 4096 + 13, 65536, 100_003],
+    lane, round_ = 2048, 16384
+    lengths = np.array([0, 1, 7, 8, 9, 4095, 3 * lane - 1, 3 * lane, 3 * lane + 1, 7 * 4096 + 13, round_ - 1, round_,
+                        round_ + 1, 2 * round_ + 3 * lane + 5, 65536, 100_003, 262_144, 5, 3 * round_ - 8, 11, 2 * round_],
                        np.uint64)  # fmt: skip
-    starts = rng.integers(0, buf.size - 100_003, lengths.size).astype(np.uint64)
-    sums = np.frombuffer(ucp.crc32c(starts + np.uint64(buf.ctypes.data), lengths, 3), "<u4")
+    starts = rng.integers(0, buf.size - 262_144, lengths.size).astype(np.uint64)
+    starts[-3:] += np.uint64(1)  # odd addresses too
+    sums = np.frombuffer(ucp.crc32c(starts + np.uint64(buf.ctypes.data), lengths, 3, fold=fold), "<u4")
     for g in range(lengths.size // 3):
         want = 0
         for s, n in zip(starts[3 * g : 3 * g + 3].tolist(), lengths[3 * g : 3 * g + 3].tolist()):
@@ -286,6 +294,49 @@ def test_crc32c_matches_google_crc32c_over_runs_of_pieces() -> None:
         assert sums[g] == want, g
     with pytest.raises(ValueError, match="runs of"):
         ucp.crc32c(starts[:4] + np.uint64(buf.ctypes.data), lengths[:4], 3)
+
+
+@pytest.mark.parametrize("cut_bytes", [8 << 20, 1 << 10], ids=["one-thread", "cut"])
+def test_file_start_reads_blocks_of_two_files_and_checks_them(tmp_path: Any, cut_bytes: int) -> None:
+    """Blocks of three pieces each, from two files, read into scattered places on the native threads:
+    every byte lands where it belongs, each block's crc32c is the native crc32c of what landed, and a
+    file that ends inside a block makes that block (and none before it) the first not read whole."""
+    if not ucp.HAS_CRC32C:
+        pytest.skip("no SSE4.2 here")
+    rng = np.random.default_rng(11)
+    data = [rng.integers(0, 256, 96_000, dtype=np.uint8), rng.integers(0, 256, 40_000, dtype=np.uint8)]
+    fds = []
+    for i, d in enumerate(data):
+        fds.append(os.open(tmp_path / f"o{i}", os.O_RDWR | os.O_CREAT, 0o644))
+        os.write(fds[-1], d.tobytes())
+    try:
+        piece = np.array([5000, 3000, 8000], np.uint64)  # a block: 16_000 bytes in three pieces
+        blocks = [(0, 0), (0, 16_000), (0, 48_000), (1, 0), (1, 16_000), (1, 32_000)]  # (file, offset); the last is cut
+        dst = np.zeros(200_000, np.uint8)
+        places = rng.permutation(np.arange(0, 190_000, 8_000))[: 3 * len(blocks)].astype(np.uint64)  # disjoint
+        offsets = np.concatenate([o + np.concatenate(([0], np.cumsum(piece[:-1]))) for _, o in blocks]).astype(np.uint64)
+        lengths = np.tile(piece, len(blocks))
+        at = places + np.uint64(dst.ctypes.data)
+        fd_of = np.repeat(np.array([fds[f] for f, _ in blocks], np.uint64), 3)
+        running = ucp.file_start(fd_of, offsets, at, lengths, 3, cut_bytes=cut_bytes)
+        sums, whole, err = running.checked()
+        assert (whole, err) == (5, 0)
+        assert np.array_equal(np.frombuffer(sums, "<u4")[:whole],
+                              np.frombuffer(ucp.crc32c(at[: 3 * whole], lengths[: 3 * whole], 3), "<u4"))  # fmt: skip
+        for k, (f, o) in enumerate(blocks[:whole]):
+            for j in range(3):
+                n, start = int(piece[j]), o + int(piece[:j].sum())
+                assert np.array_equal(dst[int(places[3 * k + j]) :][:n], data[f][start : start + n]), (k, j)
+        bad = fd_of.copy()
+        bad[6:9] = 1 << 20  # block 2's file is no open file: blocks 0 and 1 arrived, and why 2 did not is said
+        assert ucp.file_start(bad, offsets, at, lengths, 3, cut_bytes=cut_bytes).checked()[1:] == (2, errno.EBADF)
+        with pytest.raises(ValueError, match="runs of"):
+            ucp.file_start(fd_of[:4], offsets[:4], at[:4], lengths[:4], 3)
+        with pytest.raises(TypeError, match="not a file_start"):
+            ucp.cma_start(0, at[:1], at[:1], 0).checked()
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_file_io_moves_runs_of_pieces_and_stops_at_the_end_of_the_file(tmp_path: Any) -> None:
