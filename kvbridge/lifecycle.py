@@ -18,6 +18,8 @@ Backends only move bytes; the bookkeeping of that sequence lives here, in two ob
   on a backend's own native threads (``post``, ``post_save``), which a store uses only when nothing
   is queued on that thread; it records which requests finished loading, which blocks failed, and
   reports a *held* request in ``finished_saving`` once nothing reads or writes its blocks any more.
+  Work a load leaves behind (a chain's promotion, ``after_load``) waits until the poll that reports
+  the load: it then competes with the engine's next step, not with the engine learning of the load.
 
 Both are thread-safe where they must be (``Transfers``: the engine thread and the IO thread) and cost
 nothing per block: the unit of work is one request's load or save.
@@ -146,7 +148,8 @@ class Transfers:
     failing the request). ``hold(ids)``: these requests ended; report each in ``finished_saving`` once
     it has nothing in flight. ``post(op, running, finish)`` and ``post_save(request_id, running,
     finish)``: a load or a save a backend already started elsewhere (a native thread), finished by
-    whoever polls or waits once it is over.
+    whoever polls or waits once it is over. ``after_load(request_id, fn)``: a save queued once the
+    request's load is reported (or waited for).
     """
 
     def __init__(self, name: str, *, threads: int = 1):
@@ -161,6 +164,8 @@ class Transfers:
         self._posted: list[tuple[BlockLoad, Running, Finish]] = []  # loads running off our threads
         # saves running off our threads: request, the running copy, its finish, what counts its failure
         self._posted_saves: list[tuple[str, Running, Callable[[], None], Callable[[Exception], None] | None]] = []
+        # saves to queue once their request's load is reported: request -> (fn, on_error)
+        self._after: dict[str, list[tuple[Callable[[], None], Callable[[Exception], None] | None]]] = {}
         self._closed = False
 
     # -- submitting --------------------------------------------------------------------------------
@@ -191,6 +196,29 @@ class Transfers:
                 raise ClosedError("transfers are closed")
             self._busy[request_id] += 1
             self._posted_saves.append((request_id, running, finish, on_error))
+
+    def after_load(
+        self, request_id: str, fn: Callable[[], None], on_error: Callable[[Exception], None] | None = None
+    ) -> None:
+        """A save to queue once the load of ``request_id`` (which calls this) is reported by :meth:`poll`,
+        or waited for by :meth:`wait`. The request counts as busy from now on, so its blocks stay held.
+        Queued at once, the save (a chain's promotion: a copy as long as the load) ran beside the thread
+        that polls, and the engine learnt of an 8 MiB load ~0.5 ms later here."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError("transfers are closed")
+            self._busy[request_id] += 1
+            self._after.setdefault(request_id, []).append((fn, on_error))
+
+    def _queue_after(self, request_ids: Iterable[str] | None) -> None:
+        """Queue the saves :meth:`after_load` kept for ``request_ids`` (``None``: every one)."""
+        with self._lock:
+            ids = list(self._after) if request_ids is None else [r for r in request_ids if r in self._after]
+            jobs = [(rid, job) for rid in ids for job in self._after.pop(rid)]
+        for rid, (fn, on_error) in jobs:
+            self.save(rid, fn, on_error)  # busy again before the count after_load took is given back
+            with self._lock:
+                self._idle(rid)
 
     def hold(self, request_ids: Iterable[str]) -> None:
         with self._lock:
@@ -295,14 +323,19 @@ class Transfers:
             self._loaded.clear()
             self._saved.clear()
             self._failed.clear()
+        self._queue_after(report.finished_loading)
         return report
 
     def wait(self, request_ids: Iterable[str] | None = None, timeout: float | None = None) -> bool:
-        """Block until nothing (or nothing of ``request_ids``) is in flight; ``False`` on timeout."""
+        """Block until nothing (or nothing of ``request_ids``) is in flight; ``False`` on timeout. A save
+        kept by :meth:`after_load` is not in flight until the poll that reports its load queues it,
+        unless its request is one of ``request_ids``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         wanted = None if request_ids is None else set(request_ids)
         while True:
             self._reap()
+            if wanted is not None and self._after:
+                self._queue_after(wanted)  # the caller waits for these requests: their kept saves too
             with self._lock:
                 futures = set(self._futures)
                 posted = [running for _, running, _ in self._posted] + [p[1] for p in self._posted_saves]
@@ -323,6 +356,7 @@ class Transfers:
         self.wait()  # posted loads included: they write into blocks until they are over
         with self._lock:
             self._closed = True
+            self._after.clear()  # kept saves whose load nobody polled: copies into a cache that closes
         self._pool.shutdown(wait=True)
 
 

@@ -541,9 +541,9 @@ class StoreWorker(WorkerSide):
             failed = set(op.block_ids)
         self._count_load(op, layout, len(failed), t0)
         if getattr(op.source, "writes_back", False) and len(failed) < len(op.block_ids):
-            # queued behind this load, so it runs once the load is reported (and holds the request till over)
-            self.transfers.save(op.request_id, functools.partial(self.io.write_back, op, layout, sorted(failed)),
-                                self._save_failed)
+            # queued once the load is reported (and holds the request till over)
+            self.transfers.after_load(op.request_id, functools.partial(self.io.write_back, op, layout, sorted(failed)),
+                                      self._save_failed)
         return failed
 
     def _count_load(self, op: BlockLoad, layout: KVLayout, failed: int, t0: float) -> None:

@@ -145,6 +145,31 @@ def test_posted_saves_hold_their_request_until_a_poll_sees_them_over() -> None:
         t.close()
 
 
+def test_a_save_kept_after_a_load_is_queued_by_the_poll_that_reports_the_load() -> None:
+    """``after_load`` (a chain's promotion): the save does not run beside the load's report, but once
+    a poll has reported the load; until it is over the request stays busy, so an end holds its blocks.
+    A wait that names the request queues it (a preempted request's blocks are about to be reused)."""
+    t = Transfers("test")
+    ran: list[str] = []
+    try:
+        def load(rid: str) -> list[int]:
+            t.after_load(rid, lambda: ran.append(rid))
+            return []
+
+        t.load(BlockLoad("a", (1,)), lambda: load("a"))
+        t.load(BlockLoad("b", (2,)), lambda: load("b"))
+        assert t.wait(timeout=5)  # both loads are over; the kept saves wait for the poll, not for this
+        assert ran == [] and t.busy("a") and t.busy("b")
+        t.hold(["a"])  # a ends: its blocks are held while its save is owed
+        assert t.poll() == WorkerReport(finished_loading=frozenset({"a", "b"}))
+        assert t.wait(timeout=5) and sorted(ran) == ["a", "b"]
+        assert t.poll() == WorkerReport(finished_saving=frozenset({"a"}))
+        t.load(BlockLoad("c", (3,)), lambda: load("c"))
+        assert t.wait(["c"], timeout=5) and ran[-1] == "c" and not t.busy("c")
+    finally:
+        t.close()
+
+
 def test_close_waits_for_posted_loads() -> None:
     t = Transfers("test")
     gate = _Gate()

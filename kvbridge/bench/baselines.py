@@ -72,7 +72,11 @@ def file(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
     measured on this VM's ext4, so the baseline is the strict one: rewriting one file ran at 1.2 GB/s
     against 4.2 for new files (ext4 flushes a file truncated and written again when it is closed,
     ``auto_da_alloc``); new files written front to back fell to 0.35 GB/s after a few (32-128 MiB), and
-    the same files with their first page written last kept 3-4 GB/s (fs writes an object's header last)."""
+    the same files with their first page written last kept 3-4 GB/s (fs writes an object's header last).
+
+    A load reads one file written once, over and over, as a store's load case reads one saved prompt;
+    with ``env["fresh"]`` (the case loads a prompt saved just before, as a chain's consumer does) it
+    reads, file after file, the files one such write made just before (untimed)."""
     buf = torch.empty(nbytes, dtype=torch.uint8)
     fill_random(buf)
     view = _bytes(buf)
@@ -100,6 +104,15 @@ def file(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
         with open(path, "rb", buffering=0) as f:
             f.readinto(view)
 
+    def written(i: int) -> str:
+        write(target := os.path.join(folder, f"r{i}"))
+        return target
+
+    def read_files(target: str) -> None:
+        for n, at in enumerate(range(0, nbytes, piece)):
+            with open(f"{target}.{n}", "rb", buffering=0) as f:
+                f.readinto(view[at : min(nbytes, at + piece)])
+
     try:
         if op == "save":
             def fresh(i: int) -> str:
@@ -107,6 +120,8 @@ def file(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
                 return os.path.join(folder, f"w{i}")
 
             return time_reps(write, reps, setup=fresh)
+        if env.get("fresh"):
+            return time_reps(read_files, reps, setup=written)
         with open(path, "wb") as f:
             f.write(view)
         return time_reps(read, reps)

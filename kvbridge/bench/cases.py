@@ -533,7 +533,7 @@ class Measurer:
                 peer = target.producer.kind == "peer"
                 ops = self._ops(peer)
                 pair = Pair(target, point)
-                env = medium_env(target, tmp, point)
+                env = medium_env(target, tmp, point) | {"fresh": spec.fresh}
                 timed: list[tuple[str, Timing | StallTiming | None, str]] = []
                 try:
                     for op in ops:
