@@ -58,11 +58,11 @@ block of the KV (``preadv`` into the per-layer pieces: the kernel's copy is the 
 it there. The block is the request's own, which the engine reads only after the load reports, and
 recomputes if the check failed — as a one-sided ucx read lands before its seal is checked. (Reading
 into a thread's buffer, checking, then copying into the KV cost a second copy: 0.61 of the raw
-medium at 128 MiB.) With a CPU KV, crc32c objects and :mod:`kvbridge._ucp` built, both go through
-its ``file_io`` (``preadv``/``pwritev`` of runs of pieces) and ``crc32c`` (SSE4.2), the GIL released: a
-load reads and checks a stretch of blocks per call, a save a block per call (from Python, google-crc32c
-held the GIL for the 64 KiB pieces, so a second IO thread waited). ``io_threads`` threads share a
-load's or a save's blocks (the kernel's copy and the checksum run in parallel where cores are free); a KV on a GPU, one whose blocks are not
+medium at 128 MiB.) With a CPU KV, crc32c objects and :mod:`kvbridge._ucp` built, a load's blocks
+and a save's (a window of objects) go to its ``file_start`` in one call: ``preadv``/``pwritev`` of
+each block's pieces and the block's crc32c beside, on the native threads, blocks cut between them,
+no Python per block (a Python thread per stretch of blocks cost more than the read: ~0.35 ms of an
+8 MiB load). Elsewhere ``io_threads`` threads share a load's or a save's blocks: a KV on a GPU, one whose blocks are not
 contiguous, or ``o_direct`` (aligned buffers) goes through a per-thread buffer, then the KV or a
 staging buffer and one scatter. ``o_direct=True`` opens objects with ``O_DIRECT`` (past the page cache: NVMe, parallel
 filesystems), through page-aligned buffers; a filesystem that refuses it is a
@@ -167,10 +167,9 @@ class FsOptions:
         require(1 <= self.io_threads <= 64, f"fs option 'io_threads' must be in [1, 64], got {self.io_threads}")
 
 
-# a block of a save (its index in the op) -> its bytes: views of them (_Parts), or, where kvbridge._ucp
-# moves them, their pieces' addresses and lengths (_Pieces); a save is given one of the two
+# a block of a save (its index in the op) -> views of its bytes; None where kvbridge._ucp moves the
+# blocks by address (FsStore._write_native)
 _Parts = Callable[[int], list[Any]] | None
-_Pieces = Callable[[int], tuple[np.ndarray, np.ndarray]] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -670,8 +669,8 @@ class FsStore(_Tree, StoreIO):
                 self._staging.give(staging)
 
     def _native_crc(self, layout: KVLayout, reads: Sequence[_Read] = ()) -> bool:
-        """Whether blocks move through :mod:`kvbridge._ucp` (``file_io`` and ``crc32c``, the GIL released, no
-        Python object per block): a CPU KV (any layout: a block's pieces are addressed), read in place,
+        """Whether blocks move through :mod:`kvbridge._ucp` (``file_start``: moved and checked on its threads,
+        no Python object per block): a CPU KV (any layout: a block's pieces are addressed), read in place,
         objects checked with crc32c (this store's kind, and every object's a load reads)."""
         return (self._native is not None and layout.device.type == "cpu" and not self._direct
                 and self._kind == codec.CRC32C and all(r.chunk.kind == codec.CRC32C for r in reads))  # fmt: skip
@@ -797,8 +796,7 @@ class FsStore(_Tree, StoreIO):
         if self.options.capacity_bytes:
             self._make_room(sum(FORMAT.header_length(o.keys, layout.fingerprint) + len(o.keys) * payload for o in objects))
         if self._native_crc(layout):
-            pieces = lambda i: self._pieces(layout, op.block_ids[i : i + 1])  # noqa: E731
-            self._save_objects(op, layout, objects, None, pieces)  # blocks move by address, not by view
+            self._save_objects(op, layout, objects, None)  # blocks move by address, not by view
             return
         blocks = self._blocks(layout)
         if blocks is not None:
@@ -826,7 +824,7 @@ class FsStore(_Tree, StoreIO):
         return out
 
     def _save_objects(
-        self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: _Parts, pieces: _Pieces = None
+        self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: _Parts
     ) -> None:
         # a window of objects at a time (one per thread), published before the next is written: a full disk
         # keeps every chunk of the save but those of the window it stopped in
@@ -834,13 +832,13 @@ class FsStore(_Tree, StoreIO):
         for w in range(0, len(objects), step):
             window = objects[w : w + step]
             try:
-                self._write_window(op, layout, window, parts, pieces)
+                self._write_window(op, layout, window, parts)
             finally:
                 for o in window:
                     self._discard(o)
 
     def _write_window(
-        self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: _Parts, pieces: _Pieces
+        self, op: BlockSave, layout: KVLayout, objects: list[_Object], parts: _Parts
     ) -> None:
         payload = layout.num_layers * layout.block_bytes
         direct = self._direct if payload % _ALIGN == 0 else 0
@@ -852,10 +850,13 @@ class FsStore(_Tree, StoreIO):
             o.sums = [0] * len(o.keys)
             self._create(o, direct)
             ready.append(o)
-        # block j of every object, then block j+1: threads taking the next one write different files
-        # (writes to one file take its lock in turn)
         live = [o for o in ready if o.error is None]
-        work = [(o, j) for j in range(max((len(o.keys) for o in live), default=0)) for o in live if j < len(o.keys)]
+        if parts is None:  # the op's blocks in one native call; the chunks' first blocks below, read back
+            self._write_native(op, layout, live)
+            work = [(o, j) for o in live for j in range(o.head)]
+        else:  # block j of every object, then block j+1: threads taking the next one write different files
+            # (writes to one file take its lock in turn)
+            work = [(o, j) for j in range(max((len(o.keys) for o in live), default=0)) for o in live if j < len(o.keys)]
         full: list[OSError] = []  # a write found the disk full: the others stop
 
         def write(i: int) -> None:
@@ -873,10 +874,7 @@ class FsStore(_Tree, StoreIO):
                     o.sums[j] = o.source.chunk.checksums[j] if o.source.chunk.kind == self._kind else codec.checksum(self._kind, [data])
                     _write_at(o.fd, [data], off)
                     return
-                if pieces is not None and not direct:  # kvbridge._ucp: checksum and write, the GIL released
-                    o.sums[j] = self._write_native(o.fd, off, *pieces(o.lo + j - o.head))
-                    return
-                assert parts is not None  # one of parts and pieces is given
+                assert parts is not None  # the native path wrote the op's own blocks
                 src = parts(o.lo + j - o.head)
                 if direct:  # O_DIRECT writes from an aligned buffer
                     buf = self._buffer(payload)[:payload]
@@ -902,14 +900,32 @@ class FsStore(_Tree, StoreIO):
                 self._failed_write(o, o.error)
             self._publish(o, layout, direct)
 
-    def _write_native(self, fd: int, offset: int, addresses: np.ndarray, lengths: np.ndarray) -> int:
-        """One block's pieces (in payload order) written at ``offset``, one after another; their crc32c."""
+    def _write_native(self, op: BlockSave, layout: KVLayout, objects: list[_Object]) -> None:
+        """The op's blocks of ``objects`` written where each goes in its object's file, in one call on the
+        native threads (``file_start``: each block's crc32c taken as it is written, the blocks cut between
+        the threads); an object whose blocks did not all land takes the error (a full disk: ``ENOSPC``)."""
         assert self._native is not None
-        starts = np.uint64(offset) + np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.uint64)
-        moved = self._native.file_io(fd, starts, addresses, lengths, write=True)
-        if moved != int(lengths.sum()):  # file_io raises on an error; a short write is one too
-            raise OSError(errno.EIO, f"wrote {moved} of {int(lengths.sum())} bytes")
-        return int(np.frombuffer(self._native.crc32c(addresses, lengths, len(addresses)), "<u4")[0])
+        todo = [o for o in objects if o.hi > o.lo]
+        if not todo:
+            return
+        payload = layout.num_layers * layout.block_bytes
+        addresses, lengths = self._pieces(layout, np.concatenate([np.asarray(op.block_ids[o.lo : o.hi]) for o in todo]))
+        parts = len(lengths) // sum(o.hi - o.lo for o in todo)  # pieces of a block
+        span = np.concatenate(([0], np.cumsum(lengths[: parts - 1]))).astype(np.uint64)  # each piece's place in its block
+        starts = np.concatenate([o.header + np.arange(o.head, len(o.keys), dtype=np.uint64) * np.uint64(payload) for o in todo])
+        fds = np.repeat(np.array([o.fd for o in todo], np.uint64), [(o.hi - o.lo) * parts for o in todo])
+        running = self._native.file_start(fds, (starts.reshape(-1, 1) + span).reshape(-1), addresses, lengths, parts,
+                                          write=True, cut_bytes=2 * payload)  # fmt: skip
+        sums, whole, err = running.checked()
+        got = np.frombuffer(sums, "<u4").tolist()
+        at = 0
+        for o in todo:
+            n = o.hi - o.lo
+            if at + n <= whole:
+                o.sums[o.head :] = got[at : at + n]
+            else:  # this object, and those after (a thread may have written some: not published, all the same)
+                o.error = OSError(err or errno.EIO, os.strerror(err or errno.EIO))
+            at += n
 
     def _open_head(self, o: _Object, layout: KVLayout) -> bool:
         """Open the object holding the first ``o.head`` blocks of ``o``'s chunk; ``False`` if it cannot serve."""

@@ -12,8 +12,8 @@
  *   cma_drain(timeout_s)                           the caller keeps its destination alive until then
  *   file_io(fd, offsets, addresses, lengths)      preadv/pwritev of a store's blocks (GIL released)
  *   crc32c(addresses, lengths, parts)            their checksums (SSE4.2 lanes, carry-less folds)
- *   file_start(fds, offsets, addresses, lengths, blocks read and checked on the native threads ->
- *              parts, cut_bytes=8 MiB)           CmaRead (.checked() -> sums, blocks read whole, errno)
+ *   file_start(fds, offsets, addresses, lengths, blocks read (or written) and checked on the native
+ *              parts, write=False, cut_bytes)    threads -> CmaRead (.checked(): sums, blocks whole, errno)
  *   Context(tls=None, progress_thread=False)     one ucp context + one worker, guarded by one mutex
  *     .address .map() .connect() .progress() .close()
  *   Region    (.rkey .address .length .memory_type .close())
@@ -357,7 +357,8 @@ typedef struct cma_piece {
 typedef struct CmaReadObject {
     PyObject_HEAD
     descs d;               /* the caller's arrays, viewed until this object dies */
-    int checked_file;      /* 1: made by file_start(): d.remote holds file offsets, read from fds, checked */
+    int checked_file;      /* 1: made by file_start(): d.remote holds file offsets, moved with fds, checked */
+    int write;             /* file_start(): 1 writes the blocks to the files, 0 reads them */
     vec_arg fds;           /* file_start(): each descriptor's file */
     Py_ssize_t parts;      /* file_start(): descriptors per block (pieces are cut between blocks) */
     uint32_t *sums;        /* file_start(): each block's crc32c, for the blocks read whole */
@@ -402,12 +403,12 @@ static uint64_t cma_seal(CmaReadObject *r) {
     return word;
 }
 
-static int file_read_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total);
+static int file_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total);
 
 static void cma_run(cma_piece *p) {
     CmaReadObject *r = p->read;
     uint64_t total = 0;
-    int err = r->checked_file ? file_read_checked(r, p->lo, p->hi, &total)
+    int err = r->checked_file ? file_checked(r, p->lo, p->hi, &total)
                               : move_descs(r->pid, &r->d, p->lo, p->hi, r->streaming, &total);
     pthread_mutex_lock(&cma_queue.lock);
     r->total += total;
@@ -626,8 +627,8 @@ static void cma_dealloc(CmaReadObject *r) {
 }
 
 /* checked() -> (sums, whole, errno), for a file_start(): waits for the end; `sums` holds the crc32c of
- * each block as little-endian uint32s, valid for the first `whole` blocks (read whole, before any that
- * was short or failed); errno: why the block after them failed (0: short, or none failed). */
+ * each block as little-endian uint32s, valid for the first `whole` blocks (moved whole, before any that
+ * was short or failed); errno: why a block failed (0: a read came short, or none failed). */
 static PyObject *cma_checked(CmaReadObject *r, PyObject *unused) {
     if (!r->checked_file) return PyErr_Format(PyExc_TypeError, "checked(): not a file_start() read");
     cma_wait_done(r, -1.0);
@@ -894,16 +895,26 @@ static PyObject *py_crc32c(PyObject *mod, PyObject *args, PyObject *kw) {
     return out;
 }
 
-/* file_start()'s work on one thread: blocks [lo / parts, hi / parts) read and checked one after another,
- * each block's crc taken right after its read, while its bytes are still in the cache.  A block that
- * comes short or fails ends the piece and lowers r->whole to it; the blocks after it are not read. */
-static int file_read_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total) {
+/* The crc32c of descriptors [i, i + n), as crc32c() gives it. */
+static uint32_t descs_crc(const descs *d, Py_ssize_t i, Py_ssize_t n) {
+    uint32_t s = 0xFFFFFFFFu;
+    for (Py_ssize_t j = i; j < i + n; j++)
+        s = crc_update(s, (const unsigned char *)(uintptr_t)vec_u64(&d->local, j), vec_u64(&d->lengths, j), 1);
+    return ~s;
+}
+
+/* file_start()'s work on one thread: blocks [lo / parts, hi / parts) moved and checked one after
+ * another, each block's crc taken next to its move, while its bytes are in the cache (a write's before,
+ * a read's after).  A block that comes short or fails ends the piece and lowers r->whole to it; the
+ * blocks after it are not moved. */
+static int file_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total) {
     const descs *d = &r->d;
     *total = 0;
     for (Py_ssize_t i = lo; i < hi; i += r->parts) {
         uint64_t want = 0, got = 0;
         for (Py_ssize_t j = i; j < i + r->parts; j++) want += vec_u64(&d->lengths, j);
-        int err = file_range(&r->fds, d, i, i + r->parts, 0, &got);
+        uint32_t sum = r->write ? descs_crc(d, i, r->parts) : 0;
+        int err = file_range(&r->fds, d, i, i + r->parts, r->write, &got);
         *total += got;
         if (err || got < want) {
             pthread_mutex_lock(&cma_queue.lock);
@@ -911,27 +922,26 @@ static int file_read_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uin
             pthread_mutex_unlock(&cma_queue.lock);
             return err;
         }
-        uint32_t s = 0xFFFFFFFFu;
-        for (Py_ssize_t j = i; j < i + r->parts; j++)
-            s = crc_update(s, (const unsigned char *)(uintptr_t)vec_u64(&d->local, j), vec_u64(&d->lengths, j), 1);
-        s = ~s;
-        memcpy(&r->sums[i / r->parts], &s, 4); /* x86-64 (crc_ready): little-endian, as crc32c() writes */
+        if (!r->write) sum = descs_crc(d, i, r->parts);
+        memcpy(&r->sums[i / r->parts], &sum, 4); /* x86-64 (crc_ready): little-endian, as crc32c() writes */
     }
     return 0;
 }
 
-/* file_start(fds, offsets, addresses, lengths, parts, *, cut_bytes) -> CmaRead: a store's load on the
- * native threads.  Every `parts` descriptors (file offset, address, length; each with its fd) are one
- * block, read into place and its crc32c taken; blocks are cut between the threads from cut_bytes.  One
- * call instead of a Python thread per stretch of blocks: handing those out and joining them cost more
- * than the read here (~0.35 ms of an 8 MiB load).  The caller keeps the files open and the memory alive
- * until checked() returned. */
+/* file_start(fds, offsets, addresses, lengths, parts, *, write=False, cut_bytes) -> CmaRead: a store's
+ * load or save on the native threads.  Every `parts` descriptors (file offset, address, length; each
+ * with its fd) are one block, read into place (or written from it) and its crc32c taken; blocks are cut
+ * between the threads from cut_bytes.  One call instead of a Python thread per stretch of blocks:
+ * handing those out and joining them cost more than the read here (~0.35 ms of an 8 MiB load).  The
+ * caller keeps the files open and the memory alive until checked() returned. */
 static PyObject *py_file_start(PyObject *mod, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"fds", "offsets", "addresses", "lengths", "parts", "cut_bytes", NULL};
+    static char *kwlist[] = {"fds", "offsets", "addresses", "lengths", "parts", "write", "cut_bytes", NULL};
     PyObject *fo, *oo, *ao, *no;
     Py_ssize_t parts;
+    int write = 0;
     unsigned long long cut = CMA_CUT_BYTES;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOn|$K", kwlist, &fo, &oo, &ao, &no, &parts, &cut)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOn|$pK", kwlist, &fo, &oo, &ao, &no, &parts, &write, &cut))
+        return NULL;
     if (!crc_ready) return PyErr_Format(PyExc_RuntimeError, "file_start: this CPU has no SSE4.2 (use google-crc32c)");
     CmaReadObject *r = PyObject_New(CmaReadObject, &CmaReadType);
     if (!r) return NULL;
@@ -952,6 +962,7 @@ static PyObject *py_file_start(PyObject *mod, PyObject *args, PyObject *kw) {
         return PyErr_NoMemory();
     }
     r->checked_file = 1;
+    r->write = write;
     r->parts = parts;
     r->whole = r->d.n / parts;
     r->cut_bytes = cut;
@@ -1899,7 +1910,7 @@ static PyMethodDef module_methods[] = {
      "file_io(fd, offsets, addresses, lengths, *, write=False) -> bytes moved by preadv/pwritev of runs of "
      "descriptors (GIL released; a read stops at the end of the file)"},
     {"file_start", (PyCFunction)(void (*)(void))py_file_start, METH_VARARGS | METH_KEYWORDS,
-     "file_start(fds, offsets, addresses, lengths, parts, *, cut_bytes) -> CmaRead: blocks read and checked"},
+     "file_start(fds, offsets, addresses, lengths, parts, *, write=False, cut_bytes) -> CmaRead: blocks moved, checked"},
     {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_VARARGS | METH_KEYWORDS,
      "crc32c(addresses, lengths, parts, *, fold=True) -> bytes: crc32c of each run of `parts` pieces, little-endian "
      "uint32s (fold=False: without the carry-less multiplies, where HAS_CRC32C_FOLD)"},

@@ -339,6 +339,43 @@ def test_file_start_reads_blocks_of_two_files_and_checks_them(tmp_path: Any, cut
             os.close(fd)
 
 
+@pytest.mark.parametrize("cut_bytes", [8 << 20, 1 << 10], ids=["one-thread", "cut"])
+def test_file_start_writes_blocks_to_their_files_with_their_checksums(tmp_path: Any, cut_bytes: int) -> None:
+    """``write=True``: blocks of scattered pieces written where each belongs in two files, each block's
+    crc32c that of its bytes; a block whose file cannot be written is the first not whole, its errno said."""
+    if not ucp.HAS_CRC32C:
+        pytest.skip("no SSE4.2 here")
+    rng = np.random.default_rng(12)
+    src = rng.integers(0, 256, 100_000, dtype=np.uint8)
+    piece = np.array([3000, 7000], np.uint64)  # a block: 10_000 bytes in two pieces
+    blocks = [(0, 0), (0, 10_000), (1, 500), (1, 10_500)]  # (file, offset)
+    fds = [os.open(tmp_path / f"w{i}", os.O_RDWR | os.O_CREAT, 0o644) for i in range(2)]
+    try:
+        places = rng.permutation(np.arange(0, 90_000, 10_000))[: 2 * len(blocks)].astype(np.uint64)
+        offsets = np.array([o + d for _, o in blocks for d in (0, 3000)], np.uint64)
+        lengths = np.tile(piece, len(blocks))
+        at = places + np.uint64(src.ctypes.data)
+        fd_of = np.repeat(np.array([fds[f] for f, _ in blocks], np.uint64), 2)
+        sums, whole, err = ucp.file_start(fd_of, offsets, at, lengths, 2, write=True, cut_bytes=cut_bytes).checked()
+        assert (whole, err) == (4, 0)
+        assert sums == ucp.crc32c(at, lengths, 2)
+        files = [np.fromfile(tmp_path / f"w{i}", np.uint8) for i in range(2)]
+        for k, (f, o) in enumerate(blocks):
+            for j in range(2):
+                n, start = int(piece[j]), o + int(piece[:j].sum())
+                assert np.array_equal(files[f][start : start + n], src[int(places[2 * k + j]) :][:n]), (k, j)
+        reader = os.open(tmp_path / "w0", os.O_RDONLY)
+        try:
+            bad = fd_of.copy()
+            bad[4:6] = reader  # block 2 goes to a file open for reading only
+            assert ucp.file_start(bad, offsets, at, lengths, 2, write=True, cut_bytes=cut_bytes).checked()[1:] == (2, errno.EBADF)
+        finally:
+            os.close(reader)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def test_file_io_moves_runs_of_pieces_and_stops_at_the_end_of_the_file(tmp_path: Any) -> None:
     """pwritev/preadv of descriptors (file offset, address, length): pieces that continue each other in
     the file go as one call, others apart; a read past the end returns what there was."""
