@@ -10,7 +10,6 @@
  *   cma_start(pid, ..., seal_address=0,          the same on native threads -> CmaRead (.wait .done .result);
  *             streaming=False, cut_bytes=8 MiB)  reads of cut_bytes or more are cut between the threads
  *   cma_drain(timeout_s)                           the caller keeps its destination alive until then
- *   file_io(fd, offsets, addresses, lengths)      preadv/pwritev of a store's blocks (GIL released)
  *   crc32c(addresses, lengths, parts)            their checksums (SSE4.2 lanes, carry-less folds)
  *   file_start(fds, offsets, addresses, lengths, blocks read (or written) and checked on the native
  *              parts, write=False, cut_bytes)    threads -> CmaRead (.checked(): sums, blocks whole, errno)
@@ -296,20 +295,17 @@ static int move_descs(pid_t pid, const descs *d, Py_ssize_t lo, Py_ssize_t hi, i
     return cma_copy(pid, d, lo, hi, total);
 }
 
-/* The shape of cma_read() and file_io(): an int (pid, fd), three descriptor arrays and a keyword flag;
- * `move` runs on them with the GIL released.  Returns the bytes moved, or OSError with its errno. */
-typedef int (*move_fn)(int who, const descs *d, int flag, uint64_t *total);
-
-static PyObject *move_call(PyObject *args, PyObject *kw, char **kwlist, move_fn move) {
-    int who, flag = 0;
+static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"pid", "remote", "local", "lengths", "streaming", NULL};
+    int pid, streaming = 0;
     PyObject *ro, *lo, *no;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO|$p", kwlist, &who, &ro, &lo, &no, &flag)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO|$p", kwlist, &pid, &ro, &lo, &no, &streaming)) return NULL;
     descs d;
     if (descs_parse(&d, ro, lo, no, NULL) < 0) return NULL;
     uint64_t total = 0;
     int err;
     Py_BEGIN_ALLOW_THREADS
-    err = move(who, &d, flag, &total);
+    err = move_descs((pid_t)pid, &d, 0, d.n, streaming, &total);
     Py_END_ALLOW_THREADS
     descs_release(&d);
     if (err) {
@@ -317,15 +313,6 @@ static PyObject *move_call(PyObject *args, PyObject *kw, char **kwlist, move_fn 
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     return PyLong_FromUnsignedLongLong(total);
-}
-
-static int cma_move(int pid, const descs *d, int streaming, uint64_t *total) {
-    return move_descs((pid_t)pid, d, 0, d->n, streaming, total);
-}
-
-static PyObject *py_cma_read(PyObject *mod, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"pid", "remote", "local", "lengths", "streaming", NULL};
-    return move_call(args, kw, kwlist, cma_move);
 }
 
 /* ---------------------------------------------------------------------------------------- CmaRead */
@@ -658,18 +645,10 @@ static PyTypeObject CmaReadType = {
  * 2 MiB block here, and google-crc32c holds the GIL for pieces under 1 MiB, so a second IO thread waited
  * instead of reading (connectors/fs.py). */
 
-/* Move descriptors of one file: remote = file offset, local = memory address.  Descriptors whose file
- * ranges continue each other go to the kernel as one preadv/pwritev (up to IOV_MAX pieces).  A read stops
- * at the end of the file.  Returns 0 or an errno; *total = bytes moved. */
-static int file_range(const vec_arg *fds, const descs *d, Py_ssize_t lo, Py_ssize_t hi, int write, uint64_t *total);
-
-static int file_move(int fd, const descs *d, int write, uint64_t *total) {
-    vec_arg one = {.scalar = (uint64_t)fd, .n = -1, .itemsize = 8};
-    return file_range(&one, d, 0, d->n, write, total);
-}
-
-/* Descriptors [lo, hi), each of its own file (fds: a descriptor's fd, or one for all); a run breaks
- * where the file changes too. */
+/* Move descriptors [lo, hi): remote = file offset, local = memory address, each of its own file (fds: a
+ * descriptor's fd, or one for all).  Descriptors whose file ranges continue each other in one file go to
+ * the kernel as one preadv/pwritev (up to IOV_MAX pieces).  A read stops at the end of the file.  Returns
+ * 0 or an errno; *total = bytes moved. */
 static int file_range(const vec_arg *fds, const descs *d, Py_ssize_t lo, Py_ssize_t hi, int write, uint64_t *total) {
     static __thread struct iovec iov[IOV_MAX];
     *total = 0;
@@ -705,11 +684,6 @@ static int file_range(const vec_arg *fds, const descs *d, Py_ssize_t lo, Py_ssiz
         }
     }
     return 0;
-}
-
-static PyObject *py_file_io(PyObject *mod, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"fd", "offsets", "addresses", "lengths", "write", NULL};
-    return move_call(args, kw, kwlist, file_move);
 }
 
 /* crc32c (Castagnoli, as google-crc32c and iSCSI) with the SSE4.2 instruction, three lanes at once: one
@@ -1906,9 +1880,6 @@ static PyMethodDef module_methods[] = {
      "cma_start(pid, remote, local, lengths, seal_address=0, *, streaming=False, cut_bytes=8 MiB) -> CmaRead: "
      "cma_read on native threads (cut between them from cut_bytes), then the 8-byte word at seal_address"},
     {"cma_drain", py_cma_drain, METH_O, "cma_drain(timeout_s) -> bool: no cma_start read queued or running"},
-    {"file_io", (PyCFunction)(void (*)(void))py_file_io, METH_VARARGS | METH_KEYWORDS,
-     "file_io(fd, offsets, addresses, lengths, *, write=False) -> bytes moved by preadv/pwritev of runs of "
-     "descriptors (GIL released; a read stops at the end of the file)"},
     {"file_start", (PyCFunction)(void (*)(void))py_file_start, METH_VARARGS | METH_KEYWORDS,
      "file_start(fds, offsets, addresses, lengths, parts, *, write=False, cut_bytes) -> CmaRead: blocks moved, checked"},
     {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_VARARGS | METH_KEYWORDS,

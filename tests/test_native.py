@@ -376,9 +376,10 @@ def test_file_start_writes_blocks_to_their_files_with_their_checksums(tmp_path: 
             os.close(fd)
 
 
-def test_file_io_moves_runs_of_pieces_and_stops_at_the_end_of_the_file(tmp_path: Any) -> None:
+def test_file_start_moves_runs_of_pieces_and_stops_at_the_end_of_the_file(tmp_path: Any) -> None:
     """pwritev/preadv of descriptors (file offset, address, length): pieces that continue each other in
-    the file go as one call, others apart; a read past the end returns what there was."""
+    the file go as one call, others apart; a piece of no bytes moves nothing and is no error; a read
+    past the end moves what there was, and its block is not whole."""
     rng = np.random.default_rng(4)
     src = rng.integers(0, 256, 200_000, dtype=np.uint8)
     offsets = np.array([0, 1000, 1700, 50_000, 50_500], np.uint64)  # runs: [0, 1700+300), [50_000, 51_000)
@@ -386,21 +387,23 @@ def test_file_io_moves_runs_of_pieces_and_stops_at_the_end_of_the_file(tmp_path:
     at = np.array([5, 90_000, 17, 120_001, 3], np.uint64)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        assert ucp.file_io(fd, offsets, at + np.uint64(src.ctypes.data), lengths, write=True) == int(lengths.sum())
+        assert ucp.file_start(fd, offsets, at + np.uint64(src.ctypes.data), lengths, 5, write=True).result() == (int(lengths.sum()), 0)
         data = np.fromfile(tmp_path / "f", np.uint8)
         assert data.size == 51_000
         for o, a, n in zip(offsets.tolist(), at.tolist(), lengths.tolist()):
             assert np.array_equal(data[o : o + n], src[a : a + n])
         dst = np.zeros_like(src)
-        assert ucp.file_io(fd, offsets, at + np.uint64(dst.ctypes.data), lengths) == int(lengths.sum())
+        assert ucp.file_start(fd, offsets, at + np.uint64(dst.ctypes.data), lengths, 5).result() == (int(lengths.sum()), 0)
         for a, n in zip(at.tolist(), lengths.tolist()):
             assert np.array_equal(dst[a : a + n], src[a : a + n])
-        empty = np.array([51_000], np.uint64)  # a piece of no bytes moves nothing, and is no error
-        assert ucp.file_io(fd, empty, np.uint64(src.ctypes.data) + np.zeros(1, np.uint64), 0, write=True) == 0
+        empty = np.array([51_000], np.uint64)
+        nothing = ucp.file_start(fd, empty, np.uint64(src.ctypes.data) + np.zeros(1, np.uint64), 0, 1, write=True)
+        assert nothing.result() == (0, 0) and nothing.checked() == (bytes(4), 1, 0)  # crc32c of no bytes: 0
         past = np.array([50_900, 51_000], np.uint64)  # 100 bytes, then none: the file ends at 51_000
-        assert ucp.file_io(fd, past, np.uint64(dst.ctypes.data) + np.array([0, 200], np.uint64), 200) == 100
+        short = ucp.file_start(fd, past, np.uint64(dst.ctypes.data) + np.array([0, 200], np.uint64), 200, 2)
+        assert short.result() == (100, 0) and short.checked()[1:] == (0, 0)
         with pytest.raises(OSError):
-            ucp.file_io(-1, offsets, at + np.uint64(dst.ctypes.data), lengths)
+            ucp.file_start(1 << 20, offsets, at + np.uint64(dst.ctypes.data), lengths, 5).result()  # no open file
     finally:
         os.close(fd)
 
