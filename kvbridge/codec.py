@@ -83,8 +83,8 @@ fingerprint, so the header has a fixed size::
         40     16  blake2b-128 of the block key
 
 **Checksums.** ``crc32`` (zlib: always there, ~3.7 GB/s here) or ``crc32c`` (``google-crc32c``,
-hardware, ~22 GB/s; :func:`have_crc32c` probes for it once). A writer picks one; a reader verifies
-whichever kind an object names.
+hardware, ~22 GB/s; :func:`have_crc32c` probes for it once; :mod:`kvbridge._ucp`'s own, where built, ~33
+GB/s on a CPU with VPCLMULQDQ). A writer picks one; a reader verifies whichever kind an object names.
 
 **Checks of a block object** (:meth:`BlockFormat.check`), in this order; each failure raises
 :class:`~kvbridge.errors.Corrupted`, whose ``damaged`` says what to do with the object
