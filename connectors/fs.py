@@ -689,20 +689,10 @@ class FsStore(_Tree, StoreIO):
         """Every located block read straight into its block of the KV and checked there, in one call on
         the native threads (``file_start``: blocks cut between them, each block's crc taken as it lands);
         how many from the first arrived (a block that failed is handled as :meth:`_read_blocks` does)."""
-        mod = self._native
-        assert mod is not None
-        payload = layout.num_layers * layout.block_bytes
-        addresses, lengths = self._pieces(layout, op.block_ids[:covered])
-        parts = len(lengths) // covered  # pieces of a block
-        span = np.concatenate(([0], np.cumsum(lengths[: parts - 1]))).astype(np.uint64)  # each piece's place in its block
-        step = np.arange(max(r.count for r in reads), dtype=np.uint64) * np.uint64(payload)
-        starts = np.concatenate([np.uint64(r.chunk.offset(r.first)) + step[: r.count] for r in reads])
-        fds = np.repeat(np.array([r.fd for r in reads], np.uint64), [r.count * parts for r in reads])
-        running = mod.file_start(fds, (starts.reshape(-1, 1) + span).reshape(-1), addresses, lengths, parts,
-                                 cut_bytes=2 * payload)  # fmt: skip
-        sums, whole, err = running.checked()
+        runs = [(r.fd, r.chunk.offset(r.first), r.count) for r in reads]
+        sums, whole, err = self._move_native(layout, op.block_ids[:covered], runs, write=False)
         want = np.concatenate([np.asarray(r.chunk.checksums[r.first : r.first + r.count], np.uint32) for r in reads])
-        bad = np.flatnonzero(np.frombuffer(sums, "<u4")[:whole] != want[:whole])
+        bad = np.flatnonzero(sums[:whole] != want[:whole])
         good = int(bad[0]) if bad.size else whole
         if good < covered:
             r = next(r for r in reads if r.at <= good < r.at + r.count)
@@ -904,20 +894,14 @@ class FsStore(_Tree, StoreIO):
         """The op's blocks of ``objects`` written where each goes in its object's file, in one call on the
         native threads (``file_start``: each block's crc32c taken as it is written, the blocks cut between
         the threads); an object whose blocks did not all land takes the error (a full disk: ``ENOSPC``)."""
-        assert self._native is not None
         todo = [o for o in objects if o.hi > o.lo]
         if not todo:
             return
         payload = layout.num_layers * layout.block_bytes
-        addresses, lengths = self._pieces(layout, np.concatenate([np.asarray(op.block_ids[o.lo : o.hi]) for o in todo]))
-        parts = len(lengths) // sum(o.hi - o.lo for o in todo)  # pieces of a block
-        span = np.concatenate(([0], np.cumsum(lengths[: parts - 1]))).astype(np.uint64)  # each piece's place in its block
-        starts = np.concatenate([o.header + np.arange(o.head, len(o.keys), dtype=np.uint64) * np.uint64(payload) for o in todo])
-        fds = np.repeat(np.array([o.fd for o in todo], np.uint64), [(o.hi - o.lo) * parts for o in todo])
-        running = self._native.file_start(fds, (starts.reshape(-1, 1) + span).reshape(-1), addresses, lengths, parts,
-                                          write=True, cut_bytes=2 * payload)  # fmt: skip
-        sums, whole, err = running.checked()
-        got = np.frombuffer(sums, "<u4").tolist()
+        ids = np.concatenate([np.asarray(op.block_ids[o.lo : o.hi]) for o in todo])
+        runs = [(o.fd, o.header + o.head * payload, o.hi - o.lo) for o in todo]
+        sums, whole, err = self._move_native(layout, ids, runs, write=True)
+        got = sums.tolist()
         at = 0
         for o in todo:
             n = o.hi - o.lo
@@ -926,6 +910,25 @@ class FsStore(_Tree, StoreIO):
             else:  # this object, and those after (a thread may have written some: not published, all the same)
                 o.error = OSError(err or errno.EIO, os.strerror(err or errno.EIO))
             at += n
+
+    def _move_native(
+        self, layout: KVLayout, block_ids: Sequence[int], runs: Sequence[tuple[int, int, int]], *, write: bool
+    ) -> tuple[np.ndarray, int, int]:
+        """``block_ids`` of the KV read from (or written to) ``runs`` of consecutive blocks in files, each
+        ``(fd, offset of its first block, blocks)``, in one ``file_start`` on the native threads; each
+        block's crc32c (``uint32``), how many from the first moved whole, and the errno of a failure."""
+        assert self._native is not None
+        payload = layout.num_layers * layout.block_bytes
+        addresses, lengths = self._pieces(layout, block_ids)
+        parts = len(lengths) // len(block_ids)  # pieces of a block
+        span = np.concatenate(([0], np.cumsum(lengths[: parts - 1]))).astype(np.uint64)  # each piece's place in its block
+        step = np.arange(max(n for _, _, n in runs), dtype=np.uint64) * np.uint64(payload)
+        starts = np.concatenate([np.uint64(offset) + step[:n] for _, offset, n in runs])
+        fds = np.repeat(np.array([fd for fd, _, _ in runs], np.uint64), [n * parts for _, _, n in runs])
+        running = self._native.file_start(fds, (starts.reshape(-1, 1) + span).reshape(-1), addresses, lengths, parts,
+                                          write=write, cut_bytes=2 * payload)  # fmt: skip
+        sums, whole, err = running.checked()
+        return np.frombuffer(sums, "<u4"), whole, err
 
     def _open_head(self, o: _Object, layout: KVLayout) -> bool:
         """Open the object holding the first ``o.head`` blocks of ``o``'s chunk; ``False`` if it cannot serve."""
