@@ -377,6 +377,7 @@ static struct {
 static int cma_over(CmaReadObject *r) {
     if (!r->done && r->gen != cma_queue.gen) {
         r->err = ECANCELED;
+        r->whole = 0; /* a file_start(): no block is known to have moved */
         r->done = 1;
     }
     return r->done;

@@ -721,7 +721,7 @@ def test_throughput_figures(peer: Peer, tcp: Any) -> None:
     )
 
 
-def test_a_forked_child_never_waits_for_the_parents_reads() -> None:
+def test_a_forked_child_never_waits_for_the_parents_reads(tmp_path: Any) -> None:
     """A read in flight when the process forks ran in the parent: in the child its object ends (cancelled,
     or done if it was) instead of waiting forever, and the child's own reads run on threads of its own."""
     import errno
@@ -732,10 +732,16 @@ def test_a_forked_child_never_waits_for_the_parents_reads() -> None:
     remote = np.uint64(src.ctypes.data) + np.arange(src.nbytes // chunk, dtype=np.uint64) * np.uint64(chunk)
     local = np.uint64(dst.ctypes.data) + np.arange(src.nbytes // chunk, dtype=np.uint64) * np.uint64(chunk)
     running = [ucp.cma_start(0, remote, local, chunk) for _ in range(4)]  # pid 0: memcpy here, ~10 ms each
+    fd = os.open(tmp_path / "blocks", os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, src.tobytes())
+    blocks = src.nbytes // chunk
+    read = ucp.file_start(fd, remote - np.uint64(src.ctypes.data), local, chunk, 1) if ucp.HAS_CRC32C else None
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code only
         code = 0
         try:
+            if read is not None and read.checked()[1:] not in ((0, errno.ECANCELED), (blocks, 0)):
+                code = 5  # a file read of the parent's counts no block here, unless it was over before the fork
             for r in running:
                 if not r.wait(5.0):
                     code = 2  # it would have waited forever
@@ -752,6 +758,9 @@ def test_a_forked_child_never_waits_for_the_parents_reads() -> None:
             os._exit(code)
     for r in running:
         assert r.wait(10.0) and r.result()[0] == src.nbytes
+    if read is not None:
+        assert read.checked()[1:] == (blocks, 0)
+    os.close(fd)
     assert np.array_equal(dst, src)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
