@@ -34,6 +34,11 @@ objects; against ``lmcache-native:cpu``), measured here with the bench's own sto
 (:func:`kvbridge.bench.cases.save_case` / ``load_case``: the same timing as every store row, the first load
 checked byte for byte) because the bench has one store row per registered backend.
 
+**And kvbridge's chain with LMCache behind it**, as deployed for P/D: row ``chain:lmcache``, each engine's ``cpu``
+tier, then one ``lmcache`` tier on LMCache's disk (the arena staging only, as the ``lmcache`` row). Every load
+is of a prompt saved just before, which the consumer's cpu tier lacks: its blocks come from LMCache's disk
+tier (then are promoted into that cpu tier), so its medium is ``lmcache-native:disk``'s, measured in the same run.
+
 LMCache logs to stderr, which ``kvbridge bench`` sends to its ``--log`` file; like kvbridge's ``lmcache`` backend,
 its level defaults to WARNING and its usage tracking to off (set before LMCache is first imported).
 """
@@ -63,8 +68,10 @@ ROWS: dict[str, tuple[str, ...]] = {  # row -> its baselines: the raw medium of 
     "lmcache-native:cpu": ("memcpy",),
     "lmcache-native:disk": ("file",),
     "lmcache:cpu": ("memcpy",),  # kvbridge's lmcache tier on the arena alone (see the module docstring)
+    "chain:lmcache": ("file",),  # kvbridge's chain, cpu then an lmcache disk tier (see the module docstring)
 }
 OURS_CPU = "lmcache:cpu"
+OURS_CHAIN = "chain:lmcache"
 CHUNK_TOKENS = 256  # LMCache's default chunk_size
 MARGIN = 64 << 20  # arena and disk room beyond the bytes of one rep (chunk rounding, allocator slack)
 DRAIN_TIMEOUT_S = 60.0
@@ -298,8 +305,29 @@ def measure_ours_cpu(point: Point, reps: int) -> dict[str, Timing]:
         pair.close()
 
 
+def measure_ours_chain(point: Point, reps: int) -> dict[str, Timing]:
+    """``save`` and ``load`` of ``point`` through kvbridge's chain, cpu then lmcache on LMCache's disk, two
+    engines, every load a prompt saved just before (the bench's store cases, the first load checked byte
+    for byte)."""
+    from kvbridge import registry
+    from kvbridge.bench.cases import Pair, load_case, save_case
+    from kvbridge.testing.engine import Target
+
+    root = Path(tempfile.mkdtemp(prefix="kvbridge-bench-chain-lmcache-"))
+    lmcache = {"backend": "lmcache", "local_cpu_bytes": 384 << 20, "cpu_cache": False, "local_disk": str(root),
+               "local_disk_bytes": 4 << 30, "model_name": f"bench-chain-{os.getpid()}-{next(_IDS)}",
+               "timeout_s": DRAIN_TIMEOUT_S}  # fmt: skip
+    tiers = [{"backend": "cpu", "capacity_bytes": 3 * point.nbytes + MARGIN}, lmcache]
+    pair = Pair(Target(registry.create("chain", {"tiers": tiers}), registry.create("chain", {"tiers": tiers})), point)
+    try:
+        return {"save": save_case(pair).time(reps), "load": load_case(pair, peer=False, fresh=True).time(reps)}
+    finally:
+        pair.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run(point: Point, reps: int) -> dict[tuple[str, str], Timing]:
-    """Both tiers at ``point``, and kvbridge's tier on the arena: ``{(row, op): Timing}`` for every row of
+    """Both tiers at ``point``, kvbridge's tier on the arena and its chain: ``{(row, op): Timing}`` for every row of
     :data:`ROWS` and op of :data:`OPS`."""
     out: dict[tuple[str, str], Timing] = {}
     for tier in TIERS:
@@ -307,7 +335,9 @@ def run(point: Point, reps: int) -> dict[tuple[str, str], Timing]:
             out[(f"lmcache-native:{tier}", op)] = timing
     for op, timing in measure_ours_cpu(point, reps).items():
         out[(OURS_CPU, op)] = timing
+    for op, timing in measure_ours_chain(point, reps).items():
+        out[(OURS_CHAIN, op)] = timing
     return out
 
 
-__all__ = ["OPS", "OURS_CPU", "ROWS", "TIERS", "Mismatch", "NativeTier", "measure", "measure_ours_cpu", "run"]
+__all__ = ["OPS", "OURS_CHAIN", "OURS_CPU", "ROWS", "TIERS", "Mismatch", "NativeTier", "measure", "measure_ours_chain", "measure_ours_cpu", "run"]
