@@ -995,16 +995,8 @@ class FsStore(_Tree, StoreIO):
         """Make ``path`` a link to ``target`` (atomically replacing what is there: a shorter object of the
         same chunk, or a link to another object holding the block)."""
         try:
-            try:
-                os.symlink(target, path)
+            if self._new_link(path, target):
                 return
-            except FileNotFoundError:
-                self._made.discard(os.path.dirname(path))
-                self._mkdir(os.path.dirname(path))
-                os.symlink(target, path)
-                return
-            except FileExistsError:
-                pass
             with contextlib.suppress(OSError):
                 if os.readlink(path) == target:
                     return
@@ -1020,6 +1012,23 @@ class FsStore(_Tree, StoreIO):
             if exc.errno in _ENOSPC:
                 raise StoreFull(f"fs store {self.root}: no space for the link {path} ({exc.strerror})") from exc
             raise
+
+    def _new_link(self, path: str, target: str) -> bool:
+        """Make ``path`` a link to ``target`` if nothing is there (its folder made again if it went);
+        ``False`` if something is, another writer's link included, made in the meantime."""
+        try:
+            os.symlink(target, path)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:
+            self._made.discard(os.path.dirname(path))
+            self._mkdir(os.path.dirname(path))
+        try:  # once more, in the folder made again; another writer may have linked it first
+            os.symlink(target, path)
+            return True
+        except FileExistsError:
+            return False
 
     def _mkdir(self, folder: str) -> None:
         if folder not in self._made:

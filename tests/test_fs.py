@@ -195,6 +195,26 @@ def test_concurrent_writers_of_the_same_chunk(tmp_path):
 
 
 # ---- chunks ----------------------------------------------------------------------------------------
+def test_a_link_another_writer_makes_while_its_folder_is_made_again(tmp_path, monkeypatch):
+    """A link's folder is gone (an eviction, another engine's clean-up) and, while this writer makes it
+    again, another writer links the same block: this writer takes that link as it takes any existing
+    one, never fails the save (it did once in CI, under test_concurrent_writers_of_the_same_chunk; the
+    interleaving is forced here by a hook in ``_mkdir``: processes cannot be made to meet there)."""
+    producer, _ = _pair(tmp_path / "store")
+    store = _store(producer)
+    folder = tmp_path / "store" / "links"
+    path, target = str(folder / "k"), "../ab/object"
+    made = store._mkdir
+
+    def mkdir_then_another_writer_links(name: str) -> None:
+        made(name)
+        os.symlink(target, path)
+
+    monkeypatch.setattr(store, "_mkdir", mkdir_then_another_writer_links)
+    store._link(path, target)
+    assert os.readlink(path) == target
+
+
 def test_one_object_per_chunk_and_one_stat_per_chunk(tmp_path, monkeypatch):
     producer, consumer = _pair(tmp_path, num_blocks=160)
     try:
