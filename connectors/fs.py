@@ -676,14 +676,10 @@ class FsStore(_Tree, StoreIO):
                 and self._kind == codec.CRC32C and all(r.chunk.kind == codec.CRC32C for r in reads))  # fmt: skip
 
     def _pieces(self, layout: KVLayout, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Addresses and lengths (``uint64``) of the pieces of each block, block after block: each block's
-        bytes in the order an object holds them (every layer's pieces, layer after layer)."""
+        """Addresses and lengths of the pieces of each block, block after block, as an object holds them."""
         if self._addressing is None or self._addressing[0] is not layout:
             self._addressing = (layout, layout.addressing())
-        at = self._addressing[1]
-        per = len(at.pieces)
-        addresses = at.addresses(np.asarray(block_ids)).reshape(layout.num_layers, len(block_ids), per)
-        return addresses.transpose(1, 0, 2).reshape(-1), at.lengths(len(block_ids))
+        return self._addressing[1].by_block(block_ids)
 
     def _read_native(self, op: BlockLoad, layout: KVLayout, reads: list[_Read], covered: int) -> int:
         """Every located block read straight into its block of the KV and checked there, in one call on

@@ -105,7 +105,7 @@ import numpy as np
 import torch
 from kvbridge.connectors.fs import chunk_blocks, chunk_end
 
-from kvbridge import codec
+from kvbridge import codec, native
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import (
     ClosedError,
@@ -116,7 +116,7 @@ from kvbridge.errors import (
     StoreFull,
     TransferTimeout,
 )
-from kvbridge.layout import KVLayout, block_words, coalesce
+from kvbridge.layout import BlockAddressing, KVLayout, block_words, coalesce
 from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -549,6 +549,8 @@ class LMCacheStore(_Handle, StoreIO):
         self._kind = codec.CHECKSUMS[options.checksum]
         self._staging = StagingPool()  # a KV that is not in host memory: gathered and scattered through host buffers
         self._views: tuple[KVLayout, list[torch.Tensor] | None] | None = None
+        self._addressing: tuple[KVLayout, BlockAddressing] | None = None
+        self._native = native.load()[0]  # kvbridge._ucp where built: a KV in host memory copied by address
 
     # -- geometry ------------------------------------------------------------------------------------
     def attach(self, layout: KVLayout) -> None:
@@ -651,7 +653,7 @@ class LMCacheStore(_Handle, StoreIO):
         if host is not None or views is None:
             assert host is not None
             body.copy_(host.transpose(0, 1))
-        else:
+        elif not self._native_copy(layout, ids, body.data_ptr(), into_object=True):
             runs = coalesce(ids)
             idx = None if len(runs) == 1 else torch.from_numpy(ids)
             for layer, kv in enumerate(views):
@@ -829,6 +831,8 @@ class LMCacheStore(_Handle, StoreIO):
         if host is not None:
             host.copy_(body.transpose(0, 1))
             return
+        if self._native_copy(layout, ids, body.data_ptr(), into_object=False):
+            return
         views = self._layer_views(layout)
         assert views is not None
         runs = coalesce(ids)
@@ -838,6 +842,21 @@ class LMCacheStore(_Handle, StoreIO):
                 dst[runs[0][0] : runs[0][0] + len(ids)] = src
             else:
                 dst[ids] = src
+
+    def _native_copy(self, layout: KVLayout, ids: np.ndarray, at: int, *, into_object: bool) -> bool:
+        """Blocks ``ids`` of a KV in host memory copied into (or out of) an object's body at address ``at``,
+        block after block as the object holds them, in one call on kvbridge's native threads (memcpy,
+        cut between them from 8 MiB): a Python copy per layer took 1.1 ms of an 8 MiB load here.
+        ``False`` where that module is not built (the caller copies)."""
+        if self._native is None:
+            return False
+        if self._addressing is None or self._addressing[0] is not layout:
+            self._addressing = (layout, layout.addressing())
+        kv, lengths = self._addressing[1].by_block(ids)
+        body = np.uint64(at) + np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.uint64)
+        src, dst = (kv, body) if into_object else (body, kv)
+        self._native.cma_start(0, src, dst, lengths).result()
+        return True
 
     def _reject(self, m: _Manager, key: Any, tier: str, bad: Corrupted) -> None:
         self.stats.add(corrupt=1)

@@ -178,6 +178,13 @@ class BlockAddressing:
         """Lengths matching :meth:`addresses` of ``num_blocks`` blocks, ``uint64``."""
         return np.tile(self._lengths, len(self.bases) * num_blocks)
 
+    def by_block(self, block_ids: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses and lengths (``uint64``) of every piece of ``block_ids``, block-major: each block's
+        bytes in the order a stored copy holds them (every layer's pieces, layer after layer)."""
+        n = len(block_ids)
+        at = self.addresses(np.asarray(block_ids)).reshape(len(self.bases), n, len(self.pieces))
+        return at.transpose(1, 0, 2).reshape(-1), self.lengths(n)
+
     # the tuples as arrays, made once (a load's addressing runs on the engine's thread)
     @functools.cached_property
     def _bases(self) -> np.ndarray:
