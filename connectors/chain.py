@@ -38,7 +38,7 @@ from typing import Any, Generic, TypeVar
 from kvbridge import registry
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, TransferError
-from kvbridge.layout import KVLayout, coalesce
+from kvbridge.layout import KVLayout
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -152,34 +152,24 @@ class ChainIndex(_Tiers[StoreIndex], StoreIndex):
                     pos, advanced = pos + m, True
         return pos
 
-    def _members(self, t: int, keys: Sequence[bytes], positions: Sequence[int]) -> list[int] | None:
-        """Which of ``positions`` tier ``t`` holds (it answers prefixes only: ask again past each miss)."""
-        tier, out = self.tiers[t], list[int]()
-        for start, count in coalesce(positions):
-            i, end = start, start + count
-            while i < end:
-                m = self._call(t, "contains_prefix", tier.contains_prefix, keys[i:end])
-                if m is _FAILED:
-                    return None
-                out.extend(range(i, i + min(m, end - i)))
-                i += m + 1
-        return out
+    def _members(self, t: int, keys: Sequence[bytes]) -> list[int] | None:
+        """Which of ``keys`` (positions) tier ``t`` holds; ``None`` if it failed."""
+        out = self._call(t, "members", self.tiers[t].members, keys)
+        return None if out is _FAILED else out
 
     def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> ChainLoad:
-        everything = list(range(len(keys)))
         loads, first = [], dict[int, int]()  # first: position -> the fastest tier that reserved it
         for t, tier in enumerate(self.tiers):
             # every tier holding a block reserves it: the fastest serves it, the others stand by in
             # case it fails (pins in a slower tier last only as long as this load)
-            mine = self._members(t, keys, everything)
+            mine = self._members(t, keys)
             if not mine:
                 continue
             source = self._call(t, "reserve_load", tier.reserve_load, request_id, [keys[i] for i in mine])
             if source is _FAILED:
                 continue
             loads.append((t, tuple(mine), source))
-            for i in mine:
-                first.setdefault(i, t)
+            first = dict.fromkeys(mine, t) | first  # a faster tier's claim stands
         promote = []
         for f, tier in enumerate(self.tiers if self.promote else ()):
             slower = sorted(i for i, t in first.items() if t > f)

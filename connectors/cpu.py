@@ -128,6 +128,10 @@ class CpuIndex(StoreIndex):
             n += 1
         return n
 
+    def members(self, keys: Sequence[bytes]) -> list[int]:
+        held = self._slots.keys() & keys  # one set operation in C: a prompt this tier lacks costs no loop
+        return [i for i, key in enumerate(keys) if key in held] if held else []
+
     def _pin(self, request_id: str, slot: int) -> None:
         self._pins[slot] += 1
         self._held.setdefault(request_id, []).append(slot)

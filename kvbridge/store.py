@@ -74,6 +74,18 @@ class StoreIndex(abc.ABC):
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many of ``keys``, from the first, are present (a miss is 0, never an error)."""
 
+    def members(self, keys: Sequence[bytes]) -> list[int]:
+        """The positions of ``keys`` present, not only a prefix (a chain asks each tier which blocks it
+        holds). Default: :meth:`contains_prefix` again past each miss, a call per missing block; an
+        index that can tell at once overrides it."""
+        out: list[int] = []
+        i = 0
+        while i < len(keys):
+            m = self.contains_prefix(keys[i:])
+            out.extend(range(i, i + m))
+            i += m + 1
+        return out
+
     def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> Any:
         """Pin ``keys`` until :meth:`release` (they must not be evicted while loading); return what the
         worker needs to find them (``BlockLoad.source``). Default: nothing to pin, nothing to say."""
