@@ -116,6 +116,19 @@ def test_lru_evicts_least_recently_used_first():
     assert idx.stats.evictions == 3
 
 
+def test_members_are_every_held_position_as_the_prefix_walk_finds_them():
+    """``members`` (one set operation) names the held positions the generic walk over ``contains_prefix``
+    finds, holes included: a chain asks it of each tier."""
+    from kvbridge.store import StoreIndex
+
+    idx = index(8)
+    keys = [bytes([i]) * 4 for i in range(12)]
+    save(idx, "r", [keys[i] for i in (1, 2, 5, 9, 10, 11)])
+    for probe in (keys, keys[5:], keys[3:5], list(reversed(keys)), []):
+        assert idx.members(probe) == StoreIndex.members(idx, probe)
+    assert idx.members(keys) == [1, 2, 5, 9, 10, 11]
+
+
 def test_fifo_ignores_hits():
     idx = index(4, eviction="fifo")
     save(idx, "w", KEYS[:4])
