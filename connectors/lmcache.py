@@ -49,9 +49,11 @@ several objects (a long chunk, a chunked prefill) whose earlier object was evict
 and then fails from that block (recomputed, never wrong bytes).
 
 **Saves** allocate each object in LMCache's CPU arena and copy the blocks straight from the KV cache
-into it (one ``index_select`` per layer into the object's block-major view: no staging buffer),
-checksum each block there (``crc32c`` where ``google-crc32c`` is installed, else ``crc32``), write
-the header, and put it at once, so LMCache's disk writer stores one object while the next is filled.
+into it (no staging buffer: with a KV in host memory one call on :mod:`kvbridge._ucp`'s native threads,
+each block's crc32c taken beside its copy; else one ``index_select`` per layer into the object's
+block-major view, then the checksums: ``crc32c`` where ``google-crc32c`` is installed, else
+``crc32``), write the header, and put it at once, so LMCache's disk writer stores one object while the
+next is filled.
 The save then waits — bounded by ``timeout_s`` — until the disk and remote writes are done and the
 remote answers for the last of them (``lm://`` puts are unacknowledged), so a consumer can see them
 when the save returns. A full arena (nothing evictable) saves what fit and raises
@@ -59,17 +61,20 @@ when the save returns. A full arena (nothing evictable) saves what fit and raise
 writes fails the save (:class:`~kvbridge.errors.PeerUnreachable`); both are counted by the worker.
 
 Measured on a 2-core VM beside LMCache's own engine on the same tier, in the same runs (Llama-3-8B
-geometry, 128 MiB per request; ``benches/results/lmcache-chunks.txt``): on the disk tier, save/load
-0.57-0.77 / 2.96-3.23 GB/s against LMCache's 0.50-1.52 / 2.30-2.78 (which of the two writes first pays this
-VM's first touch of page-cache pages: the small saves of either swing up to 5x with the order); on the arena alone,
-3.66-4.25 / 3.99-4.42 GB/s against 3.26-4.08 / 3.74-3.86. (Format 1, an object per block with a staging
-copy each way: 0.53 / 0.84-0.96 on the disk tier.)
+geometry, 128 MiB per request; ``benches/results/stores-2026-12-03b.txt``): on the arena alone, with the
+native copy, save/load 6.5 / 6.6 GB/s against LMCache's 3.7 / 3.8; on the disk tier, loads 3.9 against
+2.9 (saves swing up to 5x with which engine writes first: this VM's first touch of page-cache pages).
+(Before the native copy, ``lmcache-chunks.txt``: arena 3.66-4.25 / 3.99-4.42; format 1, an object per
+block with a staging copy each way: 0.53 / 0.84-0.96 on the disk tier.)
 
 **Loads** find the object of each chunk (its locator, else the object ending the chunk, else the
 remote locator), ``batched_get`` them from their tiers in batches that fit half the arena (LMCache
 reads a disk or remote hit into the arena and, when it is full, waits for room forever), check each
-header, then each block's checksum in the arena object *before* it is copied, and copy the blocks
-that passed straight into the KV (one copy per layer per object). A damaged block fails
+header, and copy the blocks straight into the KV. With a KV in host memory and crc32c objects that is
+one call on the native threads, each block's crc32c taken where it landed (as ``fs`` reads into the
+KV: the blocks are the request's own, which the engine reads only after the report, and recomputes
+if one failed); else each block's checksum is checked in the arena object *before* it is copied
+(one copy per layer per object). A damaged block fails
 from itself on: the blocks before it load, it and the blocks after it are reported failed (the
 engine recomputes them), the object is counted in ``stats.corrupt`` and dropped from the tiers that
 can delete (CPU, disk; the ``lm://`` server cannot). Objects of another layout are left alone. Every
@@ -650,10 +655,12 @@ class LMCacheStore(_Handle, StoreIO):
         start = FORMAT.header_length(keys, layout.fingerprint)
         body = flat[start : start + k * payload].view(k, layout.num_layers, layout.block_bytes)
         views = self._layer_views(layout)
+        checked = None  # each block's crc32c, where the native copy took it
         if host is not None or views is None:
             assert host is not None
             body.copy_(host.transpose(0, 1))
-        elif not self._native_copy(layout, ids, body.data_ptr(), into_object=True):
+        elif (checked := self._native_copy(layout, ids, body.data_ptr(), into_object=True,
+                                           checked=self._kind == codec.CRC32C)) is None:  # fmt: skip
             runs = coalesce(ids)
             idx = None if len(runs) == 1 else torch.from_numpy(ids)
             for layer, kv in enumerate(views):
@@ -663,7 +670,9 @@ class LMCacheStore(_Handle, StoreIO):
                 else:
                     torch.index_select(kv, 0, idx, out=dst)
         arr = flat.numpy()
-        sums = codec.block_checksums(self._kind, arr[start : start + k * payload].reshape(k, payload)).tolist()
+        if checked is None or not len(checked):
+            checked = codec.block_checksums(self._kind, arr[start : start + k * payload].reshape(k, payload))
+        sums = checked.tolist()
         arr[:start] = np.frombuffer(FORMAT.pack(keys, layout.fingerprint, sums, self._kind), dtype=np.uint8)
 
     def _locate_saved(self, m: _Manager, pieces: Sequence[tuple[int, int]], keys: Sequence[bytes], lkeys: Sequence[Any]) -> None:
@@ -816,14 +825,20 @@ class LMCacheStore(_Handle, StoreIO):
         count = 1
         while pos + count < len(chunk.keys) and i + count < len(op.keys) and chunk.keys[pos + count] == op.keys[i + count]:
             count += 1
-        # each block checked before it is copied, all in one call
-        good = chunk.first_bad(pos, arr[chunk.offset(pos) : chunk.offset(pos + count)].reshape(count, chunk.payload))
+        body = flat[chunk.header_bytes :].view(len(chunk.keys), layout.num_layers, layout.block_bytes)[pos : pos + count]
+        landed = None
+        if host is None and chunk.kind == codec.CRC32C:  # copied into the KV, each block checked where it landed
+            landed = self._native_copy(layout, ids[i : i + count], body.data_ptr(), into_object=False, checked=True)
+        if landed is not None:  # (a block that failed is in the request's own KV, which recomputes it)
+            wrong = np.flatnonzero(landed != np.asarray(chunk.checksums[pos : pos + count], np.uint32))
+            good = int(wrong[0]) if wrong.size else count
+        else:  # each block checked before it is copied, all in one call
+            good = chunk.first_bad(pos, arr[chunk.offset(pos) : chunk.offset(pos + count)].reshape(count, chunk.payload))
+            if good:
+                self._scatter(layout, ids[i : i + good], body[:good], None if host is None else host[:, i : i + good])
         if good < count:
             damage = Corrupted(f"checksum mismatch in block {pos + good} of {len(chunk.keys)}", damaged=True)
             self._reject(m, want.key, want.tier, damage)
-        if good:
-            body = flat[chunk.header_bytes :].view(len(chunk.keys), layout.num_layers, layout.block_bytes)[pos : pos + good]
-            self._scatter(layout, ids[i : i + good], body, None if host is None else host[:, i : i + good])
         return good, good == count
 
     def _scatter(self, layout: KVLayout, ids: np.ndarray, body: torch.Tensor, host: torch.Tensor | None) -> None:
@@ -831,7 +846,7 @@ class LMCacheStore(_Handle, StoreIO):
         if host is not None:
             host.copy_(body.transpose(0, 1))
             return
-        if self._native_copy(layout, ids, body.data_ptr(), into_object=False):
+        if self._native_copy(layout, ids, body.data_ptr(), into_object=False) is not None:
             return
         views = self._layer_views(layout)
         assert views is not None
@@ -843,20 +858,26 @@ class LMCacheStore(_Handle, StoreIO):
             else:
                 dst[ids] = src
 
-    def _native_copy(self, layout: KVLayout, ids: np.ndarray, at: int, *, into_object: bool) -> bool:
+    def _native_copy(
+        self, layout: KVLayout, ids: np.ndarray, at: int, *, into_object: bool, checked: bool = False
+    ) -> np.ndarray | None:
         """Blocks ``ids`` of a KV in host memory copied into (or out of) an object's body at address ``at``,
-        block after block as the object holds them, in one call on kvbridge's native threads (memcpy,
-        cut between them from 8 MiB): a Python copy per layer took 1.1 ms of an 8 MiB load here.
-        ``False`` where that module is not built (the caller copies)."""
-        if self._native is None:
-            return False
+        block after block as the object holds them, in one call on kvbridge's native threads (memcpy, cut
+        between them from 8 MiB): a Python copy per layer took 1.1 ms of an 8 MiB load here. ``checked``:
+        each block's crc32c taken where it landed, beside its copy (``uint32``; else empty). ``None``
+        where that module is not built (the caller copies)."""
+        if self._native is None or not len(ids):
+            return None
         if self._addressing is None or self._addressing[0] is not layout:
             self._addressing = (layout, layout.addressing())
         kv, lengths = self._addressing[1].by_block(ids)
         body = np.uint64(at) + np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.uint64)
         src, dst = (kv, body) if into_object else (body, kv)
-        self._native.cma_start(0, src, dst, lengths).result()
-        return True
+        if not checked:
+            self._native.cma_start(0, src, dst, lengths).result()
+            return np.zeros(0, np.uint32)
+        sums, _, _ = self._native.cma_start(0, src, dst, lengths, parts=len(lengths) // len(ids)).checked()
+        return np.frombuffer(sums, "<u4")[: len(ids)]
 
     def _reject(self, m: _Manager, key: Any, tier: str, bad: Corrupted) -> None:
         self.stats.add(corrupt=1)

@@ -8,7 +8,8 @@
  *            streaming=False)                    pid 0: memcpy within this process (a host tier's copies),
  *                                                streaming: with stores that bypass the cache
  *   cma_start(pid, ..., seal_address=0,          the same on native threads -> CmaRead (.wait .done .result);
- *             streaming=False, cut_bytes=8 MiB)  reads of cut_bytes or more are cut between the threads
+ *             streaming=False, cut_bytes=8 MiB,  reads of cut_bytes or more are cut between the threads;
+ *             parts=0)                           parts: pid 0, each block's crc32c beside its copy (.checked)
  *   cma_drain(timeout_s)                           the caller keeps its destination alive until then
  *   crc32c(addresses, lengths, parts)            their checksums (SSE4.2 lanes, carry-less folds)
  *   file_start(fds, offsets, addresses, lengths, blocks read (or written) and checked on the native
@@ -344,12 +345,12 @@ typedef struct cma_piece {
 typedef struct CmaReadObject {
     PyObject_HEAD
     descs d;               /* the caller's arrays, viewed until this object dies */
-    int checked_file;      /* 1: made by file_start(): d.remote holds file offsets, moved with fds, checked */
+    int file;              /* 1: made by file_start(): d.remote holds file offsets, moved with fds */
     int write;             /* file_start(): 1 writes the blocks to the files, 0 reads them */
     vec_arg fds;           /* file_start(): each descriptor's file */
-    Py_ssize_t parts;      /* file_start(): descriptors per block (pieces are cut between blocks) */
-    uint32_t *sums;        /* file_start(): each block's crc32c, for the blocks read whole */
-    Py_ssize_t whole;      /* file_start(): blocks from the first read whole, before any short or failed one */
+    Py_ssize_t parts;      /* > 0: checked, in blocks of this many descriptors (pieces cut between blocks) */
+    uint32_t *sums;        /* checked: each block's crc32c, for the blocks moved whole */
+    Py_ssize_t whole;      /* checked: blocks from the first moved whole, before any short or failed one */
     pid_t pid;
     int streaming;         /* pid 0: streaming stores (local_copy) */
     uint64_t cut_bytes;    /* cut from this many bytes (cma_cut) */
@@ -392,12 +393,14 @@ static uint64_t cma_seal(CmaReadObject *r) {
 }
 
 static int file_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total);
+static int copy_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total);
 
 static void cma_run(cma_piece *p) {
     CmaReadObject *r = p->read;
     uint64_t total = 0;
-    int err = r->checked_file ? file_checked(r, p->lo, p->hi, &total)
-                              : move_descs(r->pid, &r->d, p->lo, p->hi, r->streaming, &total);
+    int err = r->file    ? file_checked(r, p->lo, p->hi, &total)
+              : r->parts ? copy_checked(r, p->lo, p->hi, &total)
+                         : move_descs(r->pid, &r->d, p->lo, p->hi, r->streaming, &total);
     pthread_mutex_lock(&cma_queue.lock);
     r->total += total;
     if (err && !r->err) r->err = err;
@@ -458,7 +461,7 @@ static int cma_cut(CmaReadObject *r, int threads) {
         r->pieces[k] = (cma_piece){r, i, d->n, NULL};
         if (k == n - 1) break;
         uint64_t goal = bytes / (uint64_t)n * (uint64_t)(k + 1);
-        while (i < d->n && (sum < goal || (r->checked_file && i % r->parts))) sum += vec_u64(&d->lengths, i++);
+        while (i < d->n && (sum < goal || (r->parts && i % r->parts))) sum += vec_u64(&d->lengths, i++);
         r->pieces[k].hi = i;
     }
     return n;
@@ -533,17 +536,43 @@ static PyObject *cma_queued(CmaReadObject *r) {
     return (PyObject *)r;
 }
 
+static int crc_ready; /* the crc section below: 1 once the CPU's crc32c is set up */
+
+/* r checked in blocks of `parts` descriptors: its sums made, every block counted whole until one fails.
+ * Returns 0, or -1 with the error set. */
+static int cma_check_blocks(CmaReadObject *r, Py_ssize_t parts, const char *fn) {
+    if (!crc_ready) {
+        PyErr_Format(PyExc_RuntimeError, "%s: this CPU has no SSE4.2 (use google-crc32c)", fn);
+        return -1;
+    }
+    if (parts <= 0 || r->d.n % parts) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd pieces are not runs of %zd", fn, r->d.n, parts);
+        return -1;
+    }
+    r->sums = calloc((size_t)(r->d.n / parts) + 1, 4);
+    if (!r->sums) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    r->parts = parts;
+    r->whole = r->d.n / parts;
+    return 0;
+}
+
 static PyObject *py_cma_start(PyObject *mod, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"pid", "remote", "local", "lengths", "seal_address", "streaming", "cut_bytes", NULL};
+    static char *kwlist[] = {"pid", "remote", "local", "lengths", "seal_address", "streaming", "cut_bytes", "parts", NULL};
     int pid, streaming = 0;
     unsigned long long seal = 0, cut = CMA_CUT_BYTES;
+    Py_ssize_t parts = 0;
     PyObject *ro, *lo, *no;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO|K$pK", kwlist, &pid, &ro, &lo, &no, &seal, &streaming, &cut))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOO|K$pKn", kwlist, &pid, &ro, &lo, &no, &seal, &streaming, &cut,
+                                     &parts))
         return NULL;
+    if (parts && pid != 0) return PyErr_Format(PyExc_ValueError, "cma_start: parts= checks copies in this process (pid 0)");
     CmaReadObject *r = PyObject_New(CmaReadObject, &CmaReadType);
     if (!r) return NULL;
     cma_clear(r);
-    if (descs_parse(&r->d, ro, lo, no, NULL) < 0) {
+    if (descs_parse(&r->d, ro, lo, no, NULL) < 0 || (parts && cma_check_blocks(r, parts, "cma_start") < 0)) {
         Py_DECREF(r);
         return NULL;
     }
@@ -614,11 +643,11 @@ static void cma_dealloc(CmaReadObject *r) {
     PyObject_Free(r);
 }
 
-/* checked() -> (sums, whole, errno), for a file_start(): waits for the end; `sums` holds the crc32c of
- * each block as little-endian uint32s, valid for the first `whole` blocks (moved whole, before any that
- * was short or failed); errno: why a block failed (0: a read came short, or none failed). */
+/* checked() -> (sums, whole, errno), for a file_start() or a cma_start(parts=): waits for the end; `sums`
+ * holds the crc32c of each block as little-endian uint32s, valid for the first `whole` blocks (moved whole,
+ * before any that was short or failed); errno: why a block failed (0: a read came short, or none failed). */
 static PyObject *cma_checked(CmaReadObject *r, PyObject *unused) {
-    if (!r->checked_file) return PyErr_Format(PyExc_TypeError, "checked(): not a file_start() read");
+    if (!r->parts) return PyErr_Format(PyExc_TypeError, "checked(): not a checked read (file_start, cma_start(parts=))");
     cma_wait_done(r, -1.0);
     return Py_BuildValue("(y#ni)", (const char *)r->sums, (Py_ssize_t)(4 * (r->d.n / r->parts)), r->whole, r->err);
 }
@@ -627,7 +656,7 @@ static PyMethodDef cma_methods[] = {
     {"wait", (PyCFunction)cma_wait, METH_VARARGS, "wait(timeout_s=None) -> bool: over (GIL released)"},
     {"done", (PyCFunction)cma_done, METH_NOARGS, "done() -> bool, without waiting"},
     {"result", (PyCFunction)cma_result, METH_NOARGS, "result() -> (bytes copied, seal word); OSError on failure"},
-    {"checked", (PyCFunction)cma_checked, METH_NOARGS, "checked() -> (sums, whole, errno) of a file_start()"},
+    {"checked", (PyCFunction)cma_checked, METH_NOARGS, "checked() -> (sums, whole, errno) of a checked read"},
     {NULL}};
 
 static PyTypeObject CmaReadType = {
@@ -878,6 +907,19 @@ static uint32_t descs_crc(const descs *d, Py_ssize_t i, Py_ssize_t n) {
     return ~s;
 }
 
+/* cma_start(parts=)'s work on one thread: blocks [lo / parts, hi / parts) copied one after another, each
+ * block's crc32c taken where it landed right after its copy, while its bytes are in the cache (a store's
+ * copy of its own objects: checked as they are copied, not in a second pass over memory). */
+static int copy_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t *total) {
+    *total = 0;
+    for (Py_ssize_t i = lo; i < hi; i += r->parts) {
+        *total += local_copy(&r->d, i, i + r->parts, r->streaming);
+        uint32_t sum = descs_crc(&r->d, i, r->parts);
+        memcpy(&r->sums[i / r->parts], &sum, 4); /* x86-64 (crc_ready): little-endian, as crc32c() writes */
+    }
+    return 0;
+}
+
 /* file_start()'s work on one thread: blocks [lo / parts, hi / parts) moved and checked one after
  * another, each block's crc taken next to its move, while its bytes are in the cache (a write's before,
  * a read's after).  A block that comes short or fails ends the piece and lowers r->whole to it; the
@@ -917,29 +959,16 @@ static PyObject *py_file_start(PyObject *mod, PyObject *args, PyObject *kw) {
     unsigned long long cut = CMA_CUT_BYTES;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOn|$pK", kwlist, &fo, &oo, &ao, &no, &parts, &write, &cut))
         return NULL;
-    if (!crc_ready) return PyErr_Format(PyExc_RuntimeError, "file_start: this CPU has no SSE4.2 (use google-crc32c)");
     CmaReadObject *r = PyObject_New(CmaReadObject, &CmaReadType);
     if (!r) return NULL;
     cma_clear(r);
     if (descs_parse(&r->d, oo, ao, no, NULL) < 0 || vec_parse(fo, "fds", 8, 1, &r->fds) < 0 ||
-        descs_count(&r->d, &r->fds, "fds") < 0) {
+        descs_count(&r->d, &r->fds, "fds") < 0 || cma_check_blocks(r, parts, "file_start") < 0) {
         Py_DECREF(r);
         return NULL;
     }
-    if (parts <= 0 || r->d.n % parts) {
-        PyErr_Format(PyExc_ValueError, "file_start: %zd pieces are not runs of %zd", r->d.n, parts);
-        Py_DECREF(r);
-        return NULL;
-    }
-    r->sums = calloc((size_t)(r->d.n / parts) + 1, 4);
-    if (!r->sums) {
-        Py_DECREF(r);
-        return PyErr_NoMemory();
-    }
-    r->checked_file = 1;
+    r->file = 1;
     r->write = write;
-    r->parts = parts;
-    r->whole = r->d.n / parts;
     r->cut_bytes = cut;
     return cma_queued(r);
 }

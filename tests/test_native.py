@@ -332,7 +332,7 @@ def test_file_start_reads_blocks_of_two_files_and_checks_them(tmp_path: Any, cut
         assert ucp.file_start(bad, offsets, at, lengths, 3, cut_bytes=cut_bytes).checked()[1:] == (2, errno.EBADF)
         with pytest.raises(ValueError, match="runs of"):
             ucp.file_start(fd_of[:4], offsets[:4], at[:4], lengths[:4], 3)
-        with pytest.raises(TypeError, match="not a file_start"):
+        with pytest.raises(TypeError, match="not a checked read"):
             ucp.cma_start(0, at[:1], at[:1], 0).checked()
     finally:
         for fd in fds:
@@ -374,6 +374,31 @@ def test_file_start_writes_blocks_to_their_files_with_their_checksums(tmp_path: 
     finally:
         for fd in fds:
             os.close(fd)
+
+
+@pytest.mark.parametrize("cut_bytes", [8 << 20, 1 << 10], ids=["one-thread", "cut"])
+def test_cma_start_with_parts_checks_each_block_where_it_landed(cut_bytes: int) -> None:
+    """``parts=``: blocks of scattered pieces copied within this process, each block's crc32c taken where
+    it landed; the copy bit-exact, every sum the native crc32c of the destination's block."""
+    if not ucp.HAS_CRC32C:
+        pytest.skip("no SSE4.2 here")
+    rng = np.random.default_rng(13)
+    src = rng.integers(0, 256, 300_000, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    lengths = np.tile(np.array([4000, 1, 9000], np.uint64), 5)  # five blocks of three pieces
+    remote = rng.permutation(np.arange(0, 290_000, 10_000))[:15].astype(np.uint64)
+    local = rng.permutation(np.arange(0, 290_000, 10_000))[:15].astype(np.uint64)
+    at = local + np.uint64(dst.ctypes.data)
+    running = ucp.cma_start(0, remote + np.uint64(src.ctypes.data), at, lengths, cut_bytes=cut_bytes, parts=3)
+    sums, whole, err = running.checked()
+    assert (whole, err) == (5, 0) and running.result()[0] == int(lengths.sum())
+    assert sums == ucp.crc32c(at, lengths, 3)
+    for r, loc, n in zip(remote.tolist(), local.tolist(), lengths.tolist()):
+        assert np.array_equal(dst[loc : loc + n], src[r : r + n])
+    with pytest.raises(ValueError, match="pid 0"):
+        ucp.cma_start(os.getpid(), remote, at, lengths, parts=3)
+    with pytest.raises(ValueError, match="runs of"):
+        ucp.cma_start(0, remote[:4], at[:4], lengths[:4], parts=3)
 
 
 def test_file_start_moves_runs_of_pieces_and_stops_at_the_end_of_the_file(tmp_path: Any) -> None:
