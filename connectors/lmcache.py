@@ -866,7 +866,7 @@ class LMCacheStore(_Handle, StoreIO):
         between them from 8 MiB): a Python copy per layer took 1.1 ms of an 8 MiB load here. ``checked``:
         each block's crc32c taken where it landed, beside its copy (``uint32``; else empty). ``None``
         where that module is not built (the caller copies)."""
-        if self._native is None or not len(ids):
+        if self._native is None or not len(ids) or (checked and not self._native.HAS_CRC32C):
             return None
         if self._addressing is None or self._addressing[0] is not layout:
             self._addressing = (layout, layout.addressing())
