@@ -378,7 +378,7 @@ static struct {
 static int cma_over(CmaReadObject *r) {
     if (!r->done && r->gen != cma_queue.gen) {
         r->err = ECANCELED;
-        r->whole = 0; /* a file_start(): no block is known to have moved */
+        r->whole = 0; /* a checked read: no block is known to have moved */
         r->done = 1;
     }
     return r->done;
@@ -445,7 +445,7 @@ static void cma_after_fork(void) {
 }
 
 /* Cut r's descriptors into pieces of about equal bytes (whole descriptors each, whole blocks for a
- * file_start(); one piece below
+ * checked read; one piece below
  * r->cut_bytes, else at most one per thread that exists, each at least CMA_PIECE_BYTES unless cut_bytes
  * asks for less).  Returns how many. */
 static int cma_cut(CmaReadObject *r, int threads) {
