@@ -221,6 +221,42 @@ def test_a_damaged_block_inside_a_chunk(tmp_path):
         consumer.close()
 
 
+@pytest.mark.parametrize("writer, reader", [("native", "numpy"), ("numpy", "native"), ("numpy", "numpy")])
+def test_native_and_numpy_copies_make_and_read_the_same_objects(tmp_path, writer, reader):
+    """A KV in host memory moves into and out of objects by address (kvbridge._ucp, each block checked where
+    it lands) or, where that module is missing (forced here), by numpy and torch copies checked in the
+    arena first. Both make the same objects, bit-exact either way, kv_first too (K and V of a block apart);
+    a damaged block fails from itself on whichever path reads it."""
+    from kvbridge import native
+
+    if native.load()[0] is None:
+        pytest.skip("kvbridge._ucp is not here")
+    producer, consumer = _disk_pair(tmp_path, {"kv_format": "kv_first"}, chunk_tokens=256)
+    try:
+        for engine, path in ((producer, writer), (consumer, reader)):
+            if path == "numpy":
+                engine.worker.io._native = None
+        tokens = _prompt(6, lambda c: c == [6], seed=400, chunk=16)  # one chunk
+        sent = producer.prefill("a", tokens)
+        got = consumer.prefill("b", tokens)
+        assert got.loaded_blocks == got.block_ids[:6] and got.failed_blocks == []
+        assert torch.equal(got.snapshot[:, :6], sent.snapshot[:, :6])
+        store = producer.worker.io
+        obj_key, offset, length = store.locate(sent.keys[4])
+        disk = store.storage_manager.storage_backends["LocalDiskBackend"]
+        with open(disk._key_to_path(obj_key), "r+b") as f:
+            f.seek(offset + length - 1)
+            byte = f.read(1)
+            f.seek(offset + length - 1)
+            f.write(bytes([byte[0] ^ 0x01]))
+        again = consumer.prefill("c", tokens)
+        assert again.loaded_blocks == again.block_ids[:4] and again.failed_blocks == sorted(again.block_ids[4:6])
+        assert torch.equal(again.snapshot[:, :6], consumer.expected(again.keys[:6]))  # recomputed, never the damage
+    finally:
+        producer.close()
+        consumer.close()
+
+
 def test_large_objects(tmp_path):
     """Objects of megabytes (blocks of 512 KiB, as the copies and checksums see them in real models): a round
     trip is bit-exact, and a block damaged in the middle of a 6 MiB object fails from itself on, the blocks
