@@ -159,21 +159,39 @@ class CpuIndex(StoreIndex):
         return None
 
     def reserve_save(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], CpuSlots]:
-        positions, slots = [], []
         with self._lock:
-            for i, key in enumerate(keys):
-                if key in self._slots:  # already held: a use, not a write
-                    if self._touch:
-                        self._slots.move_to_end(key)
-                    continue
-                slot = self._take_slot()
-                if slot is None:  # nothing evictable now; the rest would fail the same way
-                    self.stats.add(skipped_saves=sum(k not in self._slots for k in keys[i:]))
-                    break
-                self._slots[key] = slot
-                self._pin(request_id, slot)
-                positions.append(i)
-                slots.append(slot)
+            if len(self._free) >= len(keys) and self._slots.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+                return self._reserve_free(request_id, keys)
+            return self._reserve_each(request_id, keys)
+
+    def _reserve_free(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], CpuSlots]:
+        """Every key new and a free slot for each (the common case: a prompt this tier lacks): the slots
+        taken at once, as ``_take_slot`` would hand them out one by one (the lock held)."""
+        n = len(keys)
+        slots = self._free[len(self._free) - n :][::-1]
+        del self._free[len(self._free) - n :]
+        self._slots.update(zip(keys, slots))
+        for slot in slots:
+            self._pins[slot] += 1
+        self._held.setdefault(request_id, []).extend(slots)
+        return range(n), CpuSlots(tuple(slots))
+
+    def _reserve_each(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], CpuSlots]:
+        """Key by key: held ones refreshed, new ones given a free or an evicted slot (the lock held)."""
+        positions, slots = [], []
+        for i, key in enumerate(keys):
+            if key in self._slots:  # already held: a use, not a write
+                if self._touch:
+                    self._slots.move_to_end(key)
+                continue
+            slot = self._take_slot()
+            if slot is None:  # nothing evictable now; the rest would fail the same way
+                self.stats.add(skipped_saves=sum(k not in self._slots for k in keys[i:]))
+                break
+            self._slots[key] = slot
+            self._pin(request_id, slot)
+            positions.append(i)
+            slots.append(slot)
         return positions, CpuSlots(tuple(slots))
 
     def release(self, request_id: str, failed: Sequence[bytes] = ()) -> None:

@@ -129,6 +129,23 @@ def test_members_are_every_held_position_as_the_prefix_walk_finds_them():
     assert idx.members(keys) == [1, 2, 5, 9, 10, 11]
 
 
+def test_a_save_of_new_keys_into_free_slots_takes_them_as_key_by_key_would():
+    """``reserve_save``'s bulk path (every key new, a free slot for each) leaves the index exactly as the
+    key-by-key path does: the same slots in the same order, pins, free list and recency."""
+    fast, slow = index(16), index(16)
+    slow._reserve_free = slow._reserve_each  # type: ignore[method-assign]
+    keys = [bytes([i]) * 16 for i in range(20)]
+    batches = [keys[:5], keys[5:9], keys[3:12], keys[12:16], keys[16:18]]  # new, new, mixed, new, evicting
+    for n, batch in enumerate(batches):
+        got = [idx.reserve_save(f"r{n}", batch) for idx in (fast, slow)]
+        assert list(got[0][0]) == list(got[1][0]) and got[0][1] == got[1][1], n
+        assert list(fast._slots.items()) == list(slow._slots.items()) and fast._pins == slow._pins, n
+        assert fast._free == slow._free and fast._held == slow._held, n
+        if n % 2:
+            for idx in (fast, slow):
+                idx.release(f"r{n}")
+
+
 def test_fifo_ignores_hits():
     idx = index(4, eviction="fifo")
     save(idx, "w", KEYS[:4])
