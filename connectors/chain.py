@@ -31,6 +31,7 @@ Semantics:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -208,9 +209,13 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
 
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
         source = op.source if isinstance(op.source, ChainLoad) else ChainLoad()
-        need = set(range(len(op.block_ids)))  # positions not yet in the KV
+        return self._load_from(op, layout, source.tiers, set(range(len(op.block_ids))))
+
+    def _load_from(self, op: BlockLoad, layout: KVLayout, shares: Sequence[TierShare], need: set[int]) -> list[int]:
+        """Positions ``need`` of ``op`` asked of each tier's share in turn (a tier asked for what the ones
+        before it failed); the block ids none of them served."""
         slot_bytes = layout.num_layers * layout.block_bytes
-        for t, positions, tier_source in source.tiers:
+        for t, positions, tier_source in shares:
             todo = [i for i in positions if i in need]
             if not todo:
                 continue
@@ -227,6 +232,33 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
                 loads=1, load_blocks=len(arrived), load_bytes=len(arrived) * slot_bytes, failed_blocks=len(bad)
             )
         return [b for i, b in enumerate(op.block_ids) if i in need]
+
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Any, Callable[[], Any]] | None:
+        """A load whose first tier serves every block and starts loads from the engine's thread (a P/D
+        consumer's chain reading the shared fs, or its own cpu): started by that tier. Blocks it fails
+        are asked of the next tiers on the IO thread, as :meth:`load` asks them; the worker promotes
+        what arrived once the load is reported. ``None`` (the IO thread loads it) otherwise."""
+        source = op.source if isinstance(op.source, ChainLoad) else ChainLoad()
+        if not source.tiers or list(source.tiers[0][1]) != list(range(len(op.block_ids))):
+            return None
+        t, _, tier_source = source.tiers[0]
+        started = self._call(t, "start_load", self.tiers[t].start_load, BlockLoad(op.request_id, op.block_ids, op.keys, tier_source), layout)
+        if started is None or started is _FAILED:
+            return None
+        running, tier_failed = started
+        slot_bytes = layout.num_layers * layout.block_bytes
+
+        def failed() -> Any:
+            answer = self._call(t, "load", tier_failed)
+            bad = set(op.block_ids if answer is _FAILED else answer)
+            arrived = len(op.block_ids) - len(bad)
+            self.tiers[t].stats.add(loads=1, load_blocks=arrived, load_bytes=arrived * slot_bytes, failed_blocks=len(bad))
+            if not bad or len(source.tiers) == 1:
+                return bad
+            need = {i for i, b in enumerate(op.block_ids) if b in bad}
+            return functools.partial(self._load_from, op, layout, source.tiers[1:], need)  # on the IO thread
+
+        return running, failed
 
     def write_back(self, op: BlockLoad, layout: KVLayout, failed: Sequence[int]) -> None:
         """Promote what a slower tier served into the faster ones (the load was reported already)."""

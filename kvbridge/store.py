@@ -524,17 +524,19 @@ class StoreWorker(WorkerSide):
             return None
 
     def _start_native(self, op: BlockLoad, layout: KVLayout) -> bool:
-        """Start ``op`` natively if the store can (not a load that writes back: that runs on the IO thread)."""
+        """Start ``op`` natively if the store can; the poll that sees it over counts it (and queues its
+        write-back, as :meth:`_load` does)."""
         t0 = time.perf_counter()
-        started = None if getattr(op.source, "writes_back", False) else self._started(self.io.start_load, op, layout)
+        started = self._started(self.io.start_load, op, layout)
         if started is None:
             return False
         running, failed_ids = started
 
-        def finish() -> set[int]:
-            failed = set(failed_ids())
-            self._count_load(op, layout, len(failed), t0)
-            return failed
+        def finish() -> Any:
+            failed = failed_ids()
+            if callable(failed):  # what is left needs the IO thread (a chain asking its next tier)
+                return lambda: self._loaded(op, layout, set(failed()), t0)
+            return self._loaded(op, layout, set(failed), t0)
 
         self.transfers.post(op, running, finish)
         return True
@@ -551,12 +553,21 @@ class StoreWorker(WorkerSide):
         except Exception as exc:  # every block of the op is lost; the engine recomputes them
             log.warning("load of %s failed: %s", op.request_id, exc)
             failed = set(op.block_ids)
+        return self._loaded(op, layout, failed, t0)
+
+    def _loaded(self, op: BlockLoad, layout: KVLayout, failed: set[int], t0: float) -> set[int]:
+        """A load is over: counted, and its write-back (a chain's promotion) queued once it is reported
+        (the request held until that is over); its failed block ids."""
         self._count_load(op, layout, len(failed), t0)
+        self._write_back(op, layout, failed)
+        return failed
+
+    def _write_back(self, op: BlockLoad, layout: KVLayout, failed: set[int]) -> None:
+        """A load that writes back (a chain's promotion) queues it once the load is reported (the request
+        held until it is over)."""
         if getattr(op.source, "writes_back", False) and len(failed) < len(op.block_ids):
-            # queued once the load is reported (and holds the request till over)
             self.transfers.after_load(op.request_id, functools.partial(self.io.write_back, op, layout, sorted(failed)),
                                       self._save_failed)
-        return failed
 
     def _count_load(self, op: BlockLoad, layout: KVLayout, failed: int, t0: float) -> None:
         ok = len(op.block_ids) - failed

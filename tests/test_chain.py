@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import shutil
 import threading
 import time
@@ -18,7 +19,7 @@ from kvbridge.connectors import memory
 from kvbridge.connectors.chain import ChainBackend, ChainIndex, ChainIO, ChainOptions
 from kvbridge.connectors.memory import MemoryBackend, MemoryOptions
 
-from kvbridge import registry
+from kvbridge import native, registry
 from kvbridge.contract import Backend, BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, UnknownBackend
 from kvbridge.layout import KVLayout
@@ -316,5 +317,77 @@ def test_fs_directory_removed_mid_run(mem, tmp_path):
         assert worker.tiers[1].stats.load_blocks == 4
         later = e.prefill("c", tokens(2, seed=7))  # saves while the directory is gone: not an error
         assert later.failed_blocks == []
+    finally:
+        e.close()
+
+
+@pytest.mark.skipif(not getattr(native.load()[0], "HAS_CRC32C", False), reason="kvbridge._ucp (crc32c) not here")
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_consumer_reads_fs_from_its_own_thread_then_promotes(tmp_path, monkeypatch, damaged):
+    """A P/D consumer's chain (its cpu, then the shared fs) that misses in cpu: fs starts the read from
+    the engine's thread (no IO-thread load: the chain's ``load`` is broken on purpose), and the blocks
+    that arrived are promoted into cpu once the load is reported. A block damaged on disk fails from
+    itself on, and none of the request is promoted (the cpu tier's reservation is all or nothing; the
+    engine's recomputed blocks are saved as any are)."""
+    fs_tier = {"backend": "fs", "path": str(tmp_path / "fs")}
+    producer = MiniEngine(registry.create("fs", {"path": fs_tier["path"]}), engine_id="p", seed=1)
+    consumer = MiniEngine(chain(CPU, fs_tier), engine_id="c", seed=2)
+    try:
+        prompt = tokens(4, seed=8)
+        sent = producer.prefill("a", prompt)
+        if damaged:  # block 2 of the one object the prompt made
+            from kvbridge.connectors.fs import FsStore
+
+            store = producer.worker.io  # type: ignore[attr-defined]
+            assert isinstance(store, FsStore)
+            path = os.path.realpath(store.path_of(sent.keys[2]))
+            reads = store._locate(sent.keys, producer.layout.fingerprint)
+            for r in reads:
+                os.close(r.fd)
+            with open(path, "r+b") as f:
+                f.seek(reads[0].chunk.offset(2) + 100)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 1]))
+        sched, worker = stores(consumer)
+        monkeypatch.setattr(worker, "load", lambda *a: pytest.fail("the chain's load ran on the IO thread"))
+        got = consumer.prefill("b", prompt)
+        good = 2 if damaged else 4
+        assert got.loaded_blocks == got.block_ids[:good] and got.failed_blocks == sorted(got.block_ids[good:4])
+        assert torch.equal(got.snapshot[:, :good], sent.snapshot[:, :good])
+        assert torch.equal(got.snapshot[:, :4], consumer.expected(got.keys[:4])), "damaged bytes reached the KV"
+        assert [t.stats.load_blocks for t in worker.tiers] == [0, good]
+        assert worker.stats.promoted_blocks == (0 if damaged else 4)
+        if not damaged:
+            assert sched.tiers[0].contains_prefix(sent.keys[:4]) == 4
+            again = consumer.prefill("c", prompt)  # from its cpu tier now
+            assert torch.equal(again.snapshot[:, :4], sent.snapshot[:, :4])
+            assert [t.stats.load_blocks for t in worker.tiers] == [4, 4]
+    finally:
+        producer.close()
+        consumer.close()
+
+
+@pytest.mark.skipif(not getattr(native.load()[0], "HAS_CRC32C", False), reason="kvbridge._ucp (crc32c) not here")
+def test_blocks_a_natively_started_tier_fails_are_asked_of_the_next(tmp_path, monkeypatch):
+    """The cpu tier starts a load of 4 blocks from the engine's thread and reports the last 2 failed (a
+    fault made on purpose: its copy cannot fail for real here); those 2 are read from fs on the IO
+    thread, as a load the IO thread ran would ask them, and nothing is recomputed."""
+    e = MiniEngine(chain(CPU, {"backend": "fs", "path": str(tmp_path / "fs")}))
+    try:
+        prompt = tokens(4, seed=9)
+        sent = e.prefill("a", prompt)
+        _, worker = stores(e)
+        real = worker.tiers[0].start_load
+
+        def half_failed(op: BlockLoad, layout: KVLayout) -> Any:
+            running, failed = real(op, layout)
+            return running, lambda: sorted({*failed(), *op.block_ids[2:]})
+
+        monkeypatch.setattr(worker.tiers[0], "start_load", half_failed)
+        got = e.prefill("b", prompt)
+        assert got.failed_blocks == [] and got.loaded_blocks == got.block_ids[:4]
+        assert torch.equal(got.snapshot[:, :4], sent.snapshot[:, :4])
+        assert [t.stats.load_blocks for t in worker.tiers] == [2, 2]
     finally:
         e.close()

@@ -828,3 +828,26 @@ def test_a_shard_missing_blocks_fails_them_for_every_rank(tmp_path):
 def _store_dir(engine: MiniEngine) -> str:
     workers = getattr(engine.worker, "workers", [engine.worker])
     return str(workers[0].io.dir)  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not getattr(native.load()[0], "HAS_CRC32C", False), reason="kvbridge._ucp (crc32c) not here")
+def test_a_load_is_started_from_the_engines_thread(tmp_path, monkeypatch):
+    """With the native module and a CPU KV, the worker's load never goes to its IO thread (``load`` is
+    broken on purpose): the objects are opened by ``start_step``, the bytes read on the native threads
+    and checked by the poll that sees them over, bit-exact; a block damaged on disk fails from itself."""
+    producer, consumer = _pair(tmp_path)
+    try:
+        tokens = _prompt(6, lambda c: c == [6], seed=7)  # one chunk
+        sent = producer.prefill("a", tokens)
+        monkeypatch.setattr(_store(consumer), "load", lambda *a: pytest.fail("loaded on the IO thread"))
+        got = consumer.prefill("b", tokens)
+        assert got.failed_blocks == [] and torch.equal(got.snapshot[:, :6], sent.snapshot[:, :6])
+        (victim,) = _objects(tmp_path)
+        _flip(victim, _block_offset(victim, 4) + 77)
+        bad = consumer.prefill("c", tokens)
+        assert bad.loaded_blocks == bad.block_ids[:4] and bad.failed_blocks == sorted(bad.block_ids[4:6])
+        assert torch.equal(bad.snapshot[:, :6], consumer.expected(bad.keys[:6])), "damaged bytes reached the KV"
+        assert _store(consumer).stats.corrupt == 1 and not victim.exists()
+    finally:
+        producer.close()
+        consumer.close()
