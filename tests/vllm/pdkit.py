@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,6 +66,7 @@ class Engine:
         self.proc = subprocess.Popen(
             [sys.executable, str(ENGINE_RUN), str(self.spec_path), str(self.out_path)],
             stdout=self._log, stderr=subprocess.STDOUT, env=engine_env(), cwd=workdir,
+            start_new_session=True,  # its group: a kill reaches the engine's worker processes too (tensor parallel)
         )  # fmt: skip
         self.started = time.monotonic()
 
@@ -71,10 +74,9 @@ class Engine:
         try:
             rc = self.proc.wait(timeout=max(1.0, timeout - (time.monotonic() - self.started)))
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
             rc = "timeout"
         finally:
+            self.kill()  # its group: whatever the engine left running (all of it, on a timeout)
             self._log.close()
         if rc != 0:
             tail = self.log_path.read_text()[-6000:]
@@ -82,9 +84,10 @@ class Engine:
         return json.loads(self.out_path.read_text())
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        """The engine and every process it started (its group), gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 def kv_config(connector: str, role: str, extra: dict[str, Any], **more: Any) -> dict[str, Any]:

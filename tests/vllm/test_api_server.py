@@ -10,8 +10,11 @@ through the proxy equal their direct counterparts.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -75,14 +78,17 @@ def pd_servers(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, int]]:
             "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(ports[role]),
             "--kv-transfer-config", json.dumps(kv),
         ]  # fmt: skip
-        by_role[role] = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+        # a session of its own: a kill reaches its engine core and worker too (killed alone, the API server
+        # left them running, busy, for the rest of CI)
+        by_role[role] = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         procs.append((by_role[role], log, ports[role]))
     proxy_log = tmp_path / "proxy.log"
     proxy_cmd = [
         sys.executable, "-m", "kvbridge.cli", "proxy", "--prefill", f"http://127.0.0.1:{ports['prefill']}",
         "--decode", f"http://127.0.0.1:{ports['decode']}", "--listen", f"127.0.0.1:{ports['proxy']}", "--timeout", "120",
     ]  # fmt: skip
-    procs.append((subprocess.Popen(proxy_cmd, stdout=open(proxy_log, "w"), stderr=subprocess.STDOUT, env=env), proxy_log, ports["proxy"]))
+    proxy = subprocess.Popen(proxy_cmd, stdout=open(proxy_log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    procs.append((proxy, proxy_log, ports["proxy"]))
     try:
         deadline = time.monotonic() + SERVER_START_S
         for proc, log, port in procs:
@@ -93,16 +99,25 @@ def pd_servers(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, int]]:
 
 
 def stop_all(procs: Iterable[subprocess.Popen]) -> None:
-    """Terminate every server at once, then wait for each (killed after 30 s)."""
+    """Terminate every server at once (each with its process group), then wait for each (killed after
+    30 s); whatever a server left behind is killed."""
     procs = list(procs)
     for proc in procs:
-        proc.terminate()
+        signal_group(proc, signal.SIGTERM)
     for proc in procs:
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            signal_group(proc, signal.SIGKILL)
             proc.wait()
+        signal_group(proc, signal.SIGKILL)  # what the server left behind
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the process group ``proc`` leads (started with ``start_new_session``), even once it is
+    gone itself: what it started (a server's engine core and worker) goes with it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
 
 
 def bench_client(port: int, tmp: Path, model: Path, name: str, *, num_prompts: int, wait: bool = True) -> Any:
@@ -195,7 +210,7 @@ def test_proxy_pd_equals_single_server(pd_servers: dict[str, Any], prompts: dict
     # a dead prefill engine costs latency, never a request: killed mid-run, the decode engine recomputes
     client = bench_client(proxy, pd_servers["tmp"], pd_servers["model"], "killed", num_prompts=32, wait=False)
     time.sleep(3.0)
-    pd_servers["procs"]["prefill"].kill()
+    signal_group(pd_servers["procs"]["prefill"], signal.SIGKILL)  # the server, its engine core and worker
     pd_servers["procs"]["prefill"].wait(30)
     killed = client()
     assert killed["completed"] == 32 and killed["failed"] == 0, killed
