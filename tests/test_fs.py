@@ -484,7 +484,7 @@ def test_what_a_locator_must_not_make_us_do(tmp_path):
         outside = tmp_path / "precious"
         outside.write_bytes(b"not a kvbridge object" * 300)
         first = Path(_store(consumer).path_of(keys[0]))
-        first.parent.mkdir(parents=True)
+        first.parent.mkdir(parents=True, exist_ok=True)  # made at start-up by the engines that write
         first.symlink_to(outside)
         ids = consumer.allocate(2)
         assert list(_store(consumer).load(BlockLoad("r", tuple(ids), tuple(keys[:2])), consumer.layout)) == ids
@@ -848,6 +848,31 @@ def test_a_load_is_started_from_the_engines_thread(tmp_path, monkeypatch):
         assert bad.loaded_blocks == bad.block_ids[:4] and bad.failed_blocks == sorted(bad.block_ids[4:6])
         assert torch.equal(bad.snapshot[:, :6], consumer.expected(bad.keys[:6])), "damaged bytes reached the KV"
         assert _store(consumer).stats.corrupt == 1 and not victim.exists()
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_the_first_save_makes_every_folder_later_saves_make_none(tmp_path, monkeypatch):
+    """A save into a folder not made yet paid a mkdir (and each link into one a failed symlink first):
+    the first save makes the shard's 256 folders, and the saves after it make none; a folder removed
+    behind the store's back is made again by the save that needs it."""
+    producer, consumer = _pair(tmp_path)
+    try:
+        producer.prefill("a", _tokens(3 * 16 + 1, seed=40))
+        shard = Path(_store(producer).dir)
+        assert sorted(p.name for p in shard.iterdir()) == [f"{i:02x}" for i in range(256)]
+        made: list[str] = []
+        real = os.makedirs
+        monkeypatch.setattr(os, "makedirs", lambda path, *a, **k: (made.append(str(path)), real(path, *a, **k))[1])
+        sent = producer.prefill("b", tokens := _tokens(40 * 16 + 1, seed=41))
+        assert made == []
+        for folder in shard.iterdir():
+            shutil.rmtree(folder)
+        again = producer.prefill("c", _tokens(3 * 16 + 1, seed=42))
+        assert made and again.failed_blocks == []
+        got = consumer.prefill("d", tokens)
+        assert got.failed_blocks == [] and torch.equal(got.snapshot[:, :40], sent.snapshot[:, :40])
     finally:
         producer.close()
         consumer.close()
