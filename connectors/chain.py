@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from kvbridge import registry
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
@@ -42,7 +42,7 @@ from kvbridge.errors import ConfigError, TransferError
 from kvbridge.layout import KVLayout
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
-from kvbridge.store import StoreBackend, StoreIndex, StoreIO
+from kvbridge.store import FailedIds, StoreBackend, StoreIndex, StoreIO
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -233,7 +233,7 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
             )
         return [b for i, b in enumerate(op.block_ids) if i in need]
 
-    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Any, Callable[[], Any]] | None:
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Any, Callable[[], FailedIds]] | None:
         """A load whose first tier serves every block and starts loads from the engine's thread (a P/D
         consumer's chain reading the shared fs, or its own cpu): started by that tier. Blocks it fails
         are asked of the next tiers on the IO thread, as :meth:`load` asks them; the worker promotes
@@ -242,19 +242,21 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
         if not source.tiers or list(source.tiers[0][1]) != list(range(len(op.block_ids))):
             return None
         t, _, tier_source = source.tiers[0]
+        if isinstance(self.tiers[t], ChainIO):  # a chain in a chain may end its loads on the IO thread: it loads there
+            return None
         started = self._call(t, "start_load", self.tiers[t].start_load, BlockLoad(op.request_id, op.block_ids, op.keys, tier_source), layout)
         if started is None or started is _FAILED:
             return None
         running, tier_failed = started
         slot_bytes = layout.num_layers * layout.block_bytes
 
-        def failed() -> Any:
+        def failed() -> FailedIds:
             answer = self._call(t, "load", tier_failed)
-            bad = set(op.block_ids if answer is _FAILED else answer)
+            bad = set(op.block_ids if answer is _FAILED else cast(Sequence[int], answer))  # a store tier's ids
             arrived = len(op.block_ids) - len(bad)
             self.tiers[t].stats.add(loads=1, load_blocks=arrived, load_bytes=arrived * slot_bytes, failed_blocks=len(bad))
             if not bad or len(source.tiers) == 1:
-                return bad
+                return sorted(bad)
             need = {i for i, b in enumerate(op.block_ids) if b in bad}
             return functools.partial(self._load_from, op, layout, source.tiers[1:], need)  # on the IO thread
 

@@ -53,6 +53,10 @@ from kvbridge.layout import KVLayout
 from kvbridge.lifecycle import Ending, LoadBook, Running, Transfers
 from kvbridge.stats import TransferStats
 
+# what a started load's completion gives: the block ids that did not arrive, or a function (run on the IO
+# thread) that gives them
+FailedIds = Sequence[int] | Callable[[], Sequence[int]]
+
 log = logging.getLogger(__name__)
 
 
@@ -135,11 +139,13 @@ class StoreIO(abc.ABC):
         """Store blocks ``op.block_ids`` under ``op.keys``. Runs on the IO thread; the blocks stay
         untouched until it returns."""
 
-    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Running, Callable[[], Sequence[int]]] | None:
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Running, Callable[[], FailedIds]] | None:
         """Optional: start ``op`` now where no Python thread waits on it (native threads), and return the
         running copy and what gives the block ids that did not arrive once it is over (called on the
-        thread that polls). ``None``: :meth:`load` runs it on the IO thread instead. The worker asks only
-        when nothing is queued on the IO thread, so a started load never overtakes a save it may read."""
+        thread that polls) — or a function the IO thread runs to give them, where what is left would block
+        the engine's thread (a chain asking its next tier for what the first failed). ``None``: :meth:`load`
+        runs it on the IO thread instead. The worker asks only when nothing is queued on the IO thread, so
+        a started load never overtakes a save it may read."""
         return None
 
     def start_save(self, op: BlockSave, layout: KVLayout) -> tuple[Running, Callable[[], None]] | None:
@@ -524,8 +530,7 @@ class StoreWorker(WorkerSide):
             return None
 
     def _start_native(self, op: BlockLoad, layout: KVLayout) -> bool:
-        """Start ``op`` natively if the store can; the poll that sees it over counts it (and queues its
-        write-back, as :meth:`_load` does)."""
+        """Start ``op`` natively if the store can; the poll that sees it over finishes it (:meth:`_loaded`)."""
         t0 = time.perf_counter()
         started = self._started(self.io.start_load, op, layout)
         if started is None:
@@ -556,18 +561,13 @@ class StoreWorker(WorkerSide):
         return self._loaded(op, layout, failed, t0)
 
     def _loaded(self, op: BlockLoad, layout: KVLayout, failed: set[int], t0: float) -> set[int]:
-        """A load is over: counted, and its write-back (a chain's promotion) queued once it is reported
-        (the request held until that is over); its failed block ids."""
+        """A load is over, on either path: counted, and its write-back (a chain's promotion) queued to run
+        once the load is reported (the request held until that is over); its failed block ids."""
         self._count_load(op, layout, len(failed), t0)
-        self._write_back(op, layout, failed)
-        return failed
-
-    def _write_back(self, op: BlockLoad, layout: KVLayout, failed: set[int]) -> None:
-        """A load that writes back (a chain's promotion) queues it once the load is reported (the request
-        held until it is over)."""
         if getattr(op.source, "writes_back", False) and len(failed) < len(op.block_ids):
             self.transfers.after_load(op.request_id, functools.partial(self.io.write_back, op, layout, sorted(failed)),
                                       self._save_failed)
+        return failed
 
     def _count_load(self, op: BlockLoad, layout: KVLayout, failed: int, t0: float) -> None:
         ok = len(op.block_ids) - failed
