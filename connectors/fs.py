@@ -117,7 +117,7 @@ import torch
 from kvbridge import codec, native
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, Corrupted, LayoutMismatch, StoreFull
-from kvbridge.layout import BlockAddressing, KVLayout, LayoutFingerprint, block_words, reslice
+from kvbridge.layout import KVLayout, LayoutFingerprint, block_words, packed_offsets, reslice
 from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -503,7 +503,6 @@ class FsStore(_Tree, StoreIO):
         self._local = threading.local()  # each thread's block buffer
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._views: tuple[KVLayout, _Blocks | None] | None = None
-        self._addressing: tuple[KVLayout, BlockAddressing] | None = None
         # kvbridge._ucp where it loaded and has crc32c: reads checked without a Python object per block
         mod = native.load()[0]
         self._native = mod if mod is not None and getattr(mod, "HAS_CRC32C", False) else None
@@ -719,12 +718,6 @@ class FsStore(_Tree, StoreIO):
         objects checked with crc32c (this store's kind, and every object's a load reads)."""
         return (self._native is not None and layout.device.type == "cpu" and not self._direct
                 and self._kind == codec.CRC32C and all(r.chunk.kind == codec.CRC32C for r in reads))  # fmt: skip
-
-    def _pieces(self, layout: KVLayout, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Addresses and lengths of the pieces of each block, block after block, as an object holds them."""
-        if self._addressing is None or self._addressing[0] is not layout:
-            self._addressing = (layout, layout.addressing())
-        return self._addressing[1].by_block(block_ids)
 
     def _read_native(self, op: BlockLoad, layout: KVLayout, reads: list[_Read], covered: int) -> int:
         """Every located block read straight into its block of the KV and checked there, in one call on
@@ -978,14 +971,14 @@ class FsStore(_Tree, StoreIO):
         (its ``checked()`` waits and gives each block's crc32c, how many moved whole, and an errno)."""
         assert self._native is not None
         payload = layout.num_layers * layout.block_bytes
-        addresses, lengths = self._pieces(layout, block_ids)
+        addresses, lengths = layout.addressing().by_block(block_ids)
         parts = len(lengths) // len(block_ids)  # pieces of a block
-        span = np.concatenate(([0], np.cumsum(lengths[: parts - 1]))).astype(np.uint64)  # each piece's place in its block
-        step = np.arange(max(n for _, _, n in runs), dtype=np.uint64) * np.uint64(payload)
-        starts = np.concatenate([np.uint64(offset) + step[:n] for _, offset, n in runs])
+        # the blocks back to back, as each run holds its own: a run's pieces start where its first block does
+        firsts = np.cumsum([0] + [n for _, _, n in runs[:-1]]) * payload  # where each run's first block is in that copy
+        shift = np.repeat([offset - at for (_, offset, _), at in zip(runs, firsts.tolist())], [n * parts for _, _, n in runs])
         fds = np.repeat(np.array([fd for fd, _, _ in runs], np.uint64), [n * parts for _, _, n in runs])
-        return self._native.file_start(fds, (starts.reshape(-1, 1) + span).reshape(-1), addresses, lengths, parts,
-                                       write=write, cut_bytes=2 * payload)  # fmt: skip
+        offsets = (packed_offsets(lengths).astype(np.int64) + shift).astype(np.uint64)
+        return self._native.file_start(fds, offsets, addresses, lengths, parts, write=write, cut_bytes=2 * payload)
 
     def _open_head(self, o: _Object, layout: KVLayout) -> bool:
         """Open the object holding the first ``o.head`` blocks of ``o``'s chunk; ``False`` if it cannot serve."""

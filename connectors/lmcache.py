@@ -121,7 +121,7 @@ from kvbridge.errors import (
     StoreFull,
     TransferTimeout,
 )
-from kvbridge.layout import BlockAddressing, KVLayout, block_words, coalesce
+from kvbridge.layout import KVLayout, block_words, coalesce, packed_offsets
 from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -554,7 +554,6 @@ class LMCacheStore(_Handle, StoreIO):
         self._kind = codec.CHECKSUMS[options.checksum]
         self._staging = StagingPool()  # a KV that is not in host memory: gathered and scattered through host buffers
         self._views: tuple[KVLayout, list[torch.Tensor] | None] | None = None
-        self._addressing: tuple[KVLayout, BlockAddressing] | None = None
         self._native = native.load()[0]  # kvbridge._ucp where built: a KV in host memory copied by address
 
     # -- geometry ------------------------------------------------------------------------------------
@@ -868,10 +867,8 @@ class LMCacheStore(_Handle, StoreIO):
         where that module is not built (the caller copies)."""
         if self._native is None or not len(ids) or (checked and not self._native.HAS_CRC32C):
             return None
-        if self._addressing is None or self._addressing[0] is not layout:
-            self._addressing = (layout, layout.addressing())
-        kv, lengths = self._addressing[1].by_block(ids)
-        body = np.uint64(at) + np.concatenate(([0], np.cumsum(lengths[:-1]))).astype(np.uint64)
+        kv, lengths = layout.addressing().by_block(ids)
+        body = np.uint64(at) + packed_offsets(lengths)
         src, dst = (kv, body) if into_object else (body, kv)
         if not checked:
             self._native.cma_start(0, src, dst, lengths).result()

@@ -142,6 +142,14 @@ def reslice(ours: LayoutFingerprint, rank: int, tp: int, their_tp: int) -> tuple
     return theirs, cuts
 
 
+def packed_offsets(lengths: np.ndarray) -> np.ndarray:
+    """Where each piece starts (``uint64``) in a copy that holds ``lengths`` back to back: a stored copy of
+    :meth:`BlockAddressing.by_block`'s pieces (an object's body, a file's run of blocks)."""
+    out = np.zeros(len(lengths), dtype=np.uint64)
+    np.cumsum(lengths[:-1], out=out[1:])
+    return out
+
+
 def coalesce(block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[tuple[int, int]]:
     """Runs of consecutive ids as ``(start, count)`` pairs, in order: ``[3,4,5,9]`` -> ``[(3,3),(9,1)]``."""
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
@@ -306,6 +314,7 @@ class KVLayout:
         self.block_bytes = fingerprint.block_bytes
         self.num_layers = len(self.layers)
         self._index = {name: i for i, name in enumerate(self.layer_names)}
+        self._addressing: BlockAddressing | None = None
         # Where a block is one contiguous stretch of memory, move it as a row of machine words: the
         # copy kernels then see [num_blocks, words] instead of a 4-D tensor of 2-byte elements.
         self._rows = tuple(block_words(v) for v in self.layers)
@@ -493,10 +502,13 @@ class KVLayout:
         return view.data_ptr() + start * self.block_bytes, count * self.block_bytes
 
     def addressing(self) -> BlockAddressing:
-        """This layout's :class:`BlockAddressing` (one-sided transports read blocks by address)."""
-        first = self.layers[0]
-        return BlockAddressing(tuple(v.data_ptr() for v in self.layers), first.stride(0) * first.element_size(),
-                               _pieces(first[0]))
+        """This layout's :class:`BlockAddressing` (one-sided transports read blocks by address), made once:
+        the layers never move, and its arrays are then made once too (stores address blocks per load)."""
+        if self._addressing is None:
+            first = self.layers[0]
+            self._addressing = BlockAddressing(tuple(v.data_ptr() for v in self.layers),
+                                               first.stride(0) * first.element_size(), _pieces(first[0]))
+        return self._addressing
 
     def regions(self) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of each distinct allocation the layers live in (vLLM: often one for all
