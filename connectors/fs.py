@@ -975,8 +975,9 @@ class FsStore(_Tree, StoreIO):
         parts = len(lengths) // len(block_ids)  # pieces of a block
         # the blocks back to back, as each run holds its own: a run's pieces start where its first block does
         firsts = np.cumsum([0] + [n for _, _, n in runs[:-1]]) * payload  # where each run's first block is in that copy
-        shift = np.repeat([offset - at for (_, offset, _), at in zip(runs, firsts.tolist())], [n * parts for _, _, n in runs])
-        fds = np.repeat(np.array([fd for fd, _, _ in runs], np.uint64), [n * parts for _, _, n in runs])
+        pieces = [n * parts for _, _, n in runs]  # of each run
+        shift = np.repeat([offset - at for (_, offset, _), at in zip(runs, firsts.tolist())], pieces)
+        fds = np.repeat(np.array([fd for fd, _, _ in runs], np.uint64), pieces)
         offsets = (packed_offsets(lengths).astype(np.int64) + shift).astype(np.uint64)
         return self._native.file_start(fds, offsets, addresses, lengths, parts, write=write, cut_bytes=2 * payload)
 
