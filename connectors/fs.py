@@ -117,7 +117,7 @@ import torch
 from kvbridge import codec, native
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, Corrupted, LayoutMismatch, StoreFull
-from kvbridge.layout import KVLayout, LayoutFingerprint, block_words, packed_offsets, reslice
+from kvbridge.layout import KVLayout, LayoutFingerprint, block_words, reslice
 from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -968,18 +968,14 @@ class FsStore(_Tree, StoreIO):
                     write: bool) -> Any:  # fmt: skip
         """``block_ids`` of the KV read from (or written to) ``runs`` of consecutive blocks in files, each
         ``(fd, offset of its first block, blocks)``, started in one ``file_start`` on the native threads
-        (its ``checked()`` waits and gives each block's crc32c, how many moved whole, and an errno)."""
+        (its ``checked()`` waits and gives each block's crc32c, how many moved whole, and an errno). A run
+        holds its blocks' pieces back to back, in :meth:`~kvbridge.layout.BlockAddressing.by_block`'s order:
+        ``file_start`` places each piece in its file from that."""
         assert self._native is not None
-        payload = layout.num_layers * layout.block_bytes
         addresses, lengths = layout.addressing().by_block(block_ids)
         parts = len(lengths) // len(block_ids)  # pieces of a block
-        # the blocks back to back, as each run holds its own: a run's pieces start where its first block does
-        firsts = np.cumsum([0] + [n for _, _, n in runs[:-1]]) * payload  # where each run's first block is in that copy
-        pieces = [n * parts for _, _, n in runs]  # of each run
-        shift = np.repeat([offset - at for (_, offset, _), at in zip(runs, firsts.tolist())], pieces)
-        fds = np.repeat(np.array([fd for fd, _, _ in runs], np.uint64), pieces)
-        offsets = (packed_offsets(lengths).astype(np.int64) + shift).astype(np.uint64)
-        return self._native.file_start(fds, offsets, addresses, lengths, parts, write=write, cut_bytes=2 * payload)
+        payload = layout.num_layers * layout.block_bytes
+        return self._native.file_start(runs, addresses, lengths, parts, write=write, cut_bytes=2 * payload)
 
     def _open_head(self, o: _Object, layout: KVLayout) -> bool:
         """Open the object holding the first ``o.head`` blocks of ``o``'s chunk; ``False`` if it cannot serve."""

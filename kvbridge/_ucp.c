@@ -12,8 +12,8 @@
  *             parts=0)                           parts: pid 0, each block's crc32c beside its copy (.checked)
  *   cma_drain(timeout_s)                           the caller keeps its destination alive until then
  *   crc32c(addresses, lengths, parts)            their checksums (SSE4.2 lanes, carry-less folds)
- *   file_start(fds, offsets, addresses, lengths, blocks read (or written) and checked on the native
- *              parts, write=False, cut_bytes)    threads -> CmaRead (.checked(): sums, blocks whole, errno)
+ *   file_start(runs, addresses, lengths, parts,  blocks read (or written) and checked on the native
+ *              write=False, cut_bytes)           threads -> CmaRead (.checked(): sums, blocks whole, errno)
  *   Context(tls=None, progress_thread=False)     one ucp context + one worker, guarded by one mutex
  *     .address .map() .connect() .progress() .close()
  *   Region    (.rkey .address .length .memory_type .close())
@@ -348,6 +348,7 @@ typedef struct CmaReadObject {
     int file;              /* 1: made by file_start(): d.remote holds file offsets, moved with fds */
     int write;             /* file_start(): 1 writes the blocks to the files, 0 reads them */
     vec_arg fds;           /* file_start(): each descriptor's file */
+    uint64_t *placed;      /* file_start(): what fds and d.remote view (file_runs), freed with r */
     Py_ssize_t parts;      /* > 0: checked, in blocks of this many descriptors (pieces cut between blocks) */
     uint32_t *sums;        /* checked: each block's crc32c, for the blocks moved whole */
     Py_ssize_t whole;      /* checked: blocks from the first moved whole, before any short or failed one */
@@ -536,7 +537,7 @@ static PyObject *cma_queued(CmaReadObject *r) {
     return (PyObject *)r;
 }
 
-static int crc_ready; /* the crc section below: 1 once the CPU's crc32c is set up */
+static int crc_ready; /* 1: the CPU has SSE4.2 and the crc section below set it up (crc_init) */
 
 /* r checked in blocks of `parts` descriptors: its sums made, every block counted whole until one fails.
  * Returns 0, or -1 with the error set. */
@@ -639,6 +640,7 @@ static void cma_dealloc(CmaReadObject *r) {
     cma_wait_done(r, -1.0); /* a queued or running read still uses r: it must be over first */
     descs_release(&r->d);
     vec_release(&r->fds);
+    free(r->placed);
     free(r->sums);
     PyObject_Free(r);
 }
@@ -733,7 +735,6 @@ static int file_range(const vec_arg *fds, const descs *d, Py_ssize_t lo, Py_ssiz
 #define CRC_ROUND (CRC_FOLDED + 4 * CRC_LANE)
 
 static uint32_t crc_shift_table[4][256];
-static int crc_ready; /* 1: the CPU has SSE4.2 and the table is made */
 static int crc_fold;  /* 1: it also has AVX2, PCLMULQDQ and VPCLMULQDQ (crc_round) */
 /* Fold constants (see crc_init): x^(8d +- 32) mod P for a distance of d = 128 and 16 bytes, each as a
  * pair (the low and high 64 bits of a 128-bit lane move by different powers). */
@@ -859,7 +860,6 @@ __attribute__((target("sse4.2"))) static uint32_t crc_update(uint32_t s, const u
     return crc_lane(s, p, n);
 }
 #else /* no SSE4.2 here: crc32c() refuses (HAS_CRC32C is 0) and fs checks through google-crc32c */
-static int crc_ready;
 static void crc_init(void) {}
 static int crc_fold;
 static uint32_t crc_update(uint32_t s, const unsigned char *p, size_t n, int fold) { return s; }
@@ -945,32 +945,89 @@ static int file_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t
     return 0;
 }
 
-/* file_start(fds, offsets, addresses, lengths, parts, *, write=False, cut_bytes) -> CmaRead: a store's
- * load or save on the native threads.  Every `parts` descriptors (file offset, address, length; each
- * with its fd) are one block, read into place (or written from it) and its crc32c taken; blocks are cut
- * between the threads from cut_bytes.  One call instead of a Python thread per stretch of blocks:
- * handing those out and joining them cost more than the read here (~0.35 ms of an 8 MiB load).  The
- * caller keeps the files open and the memory alive until checked() returned. */
+/* Each descriptor's file and offset, from file_start()'s runs: a run (fd, offset, blocks) holds its
+ * blocks back to back from offset, as a store's object does, so a descriptor lies where the run's
+ * descriptors before it end.  Made here in one pass: as numpy arrays it was a dozen calls on the
+ * engine's thread, ~50 us of a load's start here. */
+static int file_runs(CmaReadObject *r, PyObject *runs) {
+    PyObject *seq = PySequence_Fast(runs, "file_start: runs must be a sequence of (fd, offset, blocks)");
+    if (!seq) return -1;
+    Py_ssize_t n = r->d.n, k = 0;
+    r->placed = malloc(2 * (size_t)(n ? n : 1) * sizeof(uint64_t));
+    if (!r->placed) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t *fds = r->placed, *offsets = r->placed + n;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        int fd;
+        long long offset;
+        Py_ssize_t blocks;
+        PyObject *run = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(run)) {
+            PyErr_Format(PyExc_TypeError, "file_start: a run is (fd, offset, blocks), not %.80s", Py_TYPE(run)->tp_name);
+            goto fail;
+        }
+        if (!PyArg_ParseTuple(run, "iLn;file_start: a run is (fd, offset, blocks)", &fd, &offset, &blocks)) goto fail;
+        if (offset < 0 || blocks < 0 || blocks > (n - k) / r->parts) {
+            PyErr_Format(PyExc_ValueError, "file_start: run %zd (offset %lld, %zd blocks) is negative or past the "
+                         "%zd blocks described", i, offset, blocks, n / r->parts);
+            goto fail;
+        }
+        for (Py_ssize_t end = k + blocks * r->parts; k < end; k++) {
+            fds[k] = (uint64_t)fd;
+            offsets[k] = (uint64_t)offset;
+            offset += (long long)vec_u64(&r->d.lengths, k);
+        }
+    }
+    Py_DECREF(seq);
+    if (k != n) {
+        PyErr_Format(PyExc_ValueError, "file_start: the runs hold %zd blocks, the descriptors %zd", k / r->parts,
+                     n / r->parts);
+        return -1;
+    }
+    r->fds = (vec_arg){.data = fds, .n = n, .itemsize = 8};
+    r->d.remote = (vec_arg){.data = offsets, .n = n, .itemsize = 8};
+    return 0;
+fail:
+    Py_DECREF(seq);
+    return -1;
+}
+
+/* file_start(runs, addresses, lengths, parts, *, write=False, cut_bytes) -> CmaRead: a store's load or
+ * save on the native threads.  Every `parts` descriptors (address, length) are one block, read into
+ * place from its run's file (or written there from it) and its crc32c taken; blocks are cut between the
+ * threads from cut_bytes.  One call instead of a Python thread per stretch of blocks: handing those out
+ * and joining them cost more than the read here (~0.35 ms of an 8 MiB load).  The caller keeps the files
+ * open and the memory alive until checked() returned. */
 static PyObject *py_file_start(PyObject *mod, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"fds", "offsets", "addresses", "lengths", "parts", "write", "cut_bytes", NULL};
-    PyObject *fo, *oo, *ao, *no;
+    static char *kwlist[] = {"runs", "addresses", "lengths", "parts", "write", "cut_bytes", NULL};
+    PyObject *runs, *ao, *no;
     Py_ssize_t parts;
     int write = 0;
     unsigned long long cut = CMA_CUT_BYTES;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOn|$pK", kwlist, &fo, &oo, &ao, &no, &parts, &write, &cut))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOn|$pK", kwlist, &runs, &ao, &no, &parts, &write, &cut))
         return NULL;
     CmaReadObject *r = PyObject_New(CmaReadObject, &CmaReadType);
     if (!r) return NULL;
     cma_clear(r);
-    if (descs_parse(&r->d, oo, ao, no, NULL) < 0 || vec_parse(fo, "fds", 8, 1, &r->fds) < 0 ||
-        descs_count(&r->d, &r->fds, "fds") < 0 || cma_check_blocks(r, parts, "file_start") < 0) {
-        Py_DECREF(r);
-        return NULL;
+    descs *d = &r->d;
+    if (vec_parse(ao, "addresses", 8, 0, &d->local) < 0) goto fail;
+    d->n = d->local.n;
+    if (vec_parse(no, "lengths", 8, 1, &d->lengths) < 0) goto fail;
+    if (d->lengths.n >= 0 && d->lengths.n != d->n) {
+        PyErr_Format(PyExc_ValueError, "file_start: %zd lengths for %zd addresses", d->lengths.n, d->n);
+        goto fail;
     }
+    if (cma_check_blocks(r, parts, "file_start") < 0 || file_runs(r, runs) < 0) goto fail;
     r->file = 1;
     r->write = write;
     r->cut_bytes = cut;
     return cma_queued(r);
+fail:
+    Py_DECREF(r);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------------------------------ Context */
@@ -1911,7 +1968,7 @@ static PyMethodDef module_methods[] = {
      "cma_read on native threads (cut between them from cut_bytes), then the 8-byte word at seal_address"},
     {"cma_drain", py_cma_drain, METH_O, "cma_drain(timeout_s) -> bool: no cma_start read queued or running"},
     {"file_start", (PyCFunction)(void (*)(void))py_file_start, METH_VARARGS | METH_KEYWORDS,
-     "file_start(fds, offsets, addresses, lengths, parts, *, write=False, cut_bytes) -> CmaRead: blocks moved, checked"},
+     "file_start(runs, addresses, lengths, parts, *, write=False, cut_bytes) -> CmaRead: blocks moved, checked"},
     {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_VARARGS | METH_KEYWORDS,
      "crc32c(addresses, lengths, parts, *, fold=True) -> bytes: crc32c of each run of `parts` pieces, little-endian "
      "uint32s (fold=False: without the carry-less multiplies, where HAS_CRC32C_FOLD)"},

@@ -1,5 +1,7 @@
 """Types of the native extension built from kvbridge/_ucp.c (load it through kvbridge.native.load())."""
 
+from collections.abc import Sequence
+
 from typing_extensions import Buffer
 
 API_VERSION: tuple[int, int]
@@ -19,7 +21,7 @@ def cma_start(
 ) -> CmaRead: ...
 def cma_drain(timeout_s: float, /) -> bool: ...
 def file_start(
-    fds: _U64OrInt, offsets: _U64, addresses: _U64, lengths: _U64OrInt, parts: int, *, write: bool = False,
+    runs: Sequence[tuple[int, int, int]], addresses: _U64, lengths: _U64OrInt, parts: int, *, write: bool = False,
     cut_bytes: int = 8 << 20,
 ) -> CmaRead: ...
 def crc32c(addresses: _U64, lengths: _U64OrInt, parts: int, *, fold: bool = True) -> bytes: ...

@@ -189,9 +189,9 @@ class BlockAddressing:
     def by_block(self, block_ids: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Addresses and lengths (``uint64``) of every piece of ``block_ids``, block-major: each block's
         bytes in the order a stored copy holds them (every layer's pieces, layer after layer)."""
-        n = len(block_ids)
-        at = self.addresses(np.asarray(block_ids)).reshape(len(self.bases), n, len(self.pieces))
-        return at.transpose(1, 0, 2).reshape(-1), self.lengths(n)
+        ids = np.asarray(block_ids, dtype=np.uint64).reshape(-1, 1, 1)  # [block, layer, piece]: no transposed copy
+        at = ids * np.uint64(self.block_stride) + self._bases.reshape(1, -1, 1) + self._offsets
+        return at.reshape(-1), self.lengths(len(ids))
 
     # the tuples as arrays, made once (a load's addressing runs on the engine's thread)
     @functools.cached_property

@@ -312,13 +312,12 @@ def test_file_start_reads_blocks_of_two_files_and_checks_them(tmp_path: Any, cut
     try:
         piece = np.array([5000, 3000, 8000], np.uint64)  # a block: 16_000 bytes in three pieces
         blocks = [(0, 0), (0, 16_000), (0, 48_000), (1, 0), (1, 16_000), (1, 32_000)]  # (file, offset); the last is cut
+        runs = [(fds[0], 0, 2), (fds[0], 48_000, 1), (fds[1], 0, 3)]  # those blocks, as runs of back-to-back ones
         dst = np.zeros(200_000, np.uint8)
         places = rng.permutation(np.arange(0, 190_000, 8_000))[: 3 * len(blocks)].astype(np.uint64)  # disjoint
-        offsets = np.concatenate([o + np.concatenate(([0], np.cumsum(piece[:-1]))) for _, o in blocks]).astype(np.uint64)
         lengths = np.tile(piece, len(blocks))
         at = places + np.uint64(dst.ctypes.data)
-        fd_of = np.repeat(np.array([fds[f] for f, _ in blocks], np.uint64), 3)
-        running = ucp.file_start(fd_of, offsets, at, lengths, 3, cut_bytes=cut_bytes)
+        running = ucp.file_start(runs, at, lengths, 3, cut_bytes=cut_bytes)
         sums, whole, err = running.checked()
         assert (whole, err) == (5, 0)
         assert np.array_equal(np.frombuffer(sums, "<u4")[:whole],
@@ -327,11 +326,19 @@ def test_file_start_reads_blocks_of_two_files_and_checks_them(tmp_path: Any, cut
             for j in range(3):
                 n, start = int(piece[j]), o + int(piece[:j].sum())
                 assert np.array_equal(dst[int(places[3 * k + j]) :][:n], data[f][start : start + n]), (k, j)
-        bad = fd_of.copy()
-        bad[6:9] = 1 << 20  # block 2's file is no open file: blocks 0 and 1 arrived, and why 2 did not is said
-        assert ucp.file_start(bad, offsets, at, lengths, 3, cut_bytes=cut_bytes).checked()[1:] == (2, errno.EBADF)
+        # block 2's file is no open file: blocks 0 and 1 arrived, and why 2 did not is said
+        bad = [runs[0], (1 << 20, 48_000, 1), runs[2]]
+        assert ucp.file_start(bad, at, lengths, 3, cut_bytes=cut_bytes).checked()[1:] == (2, errno.EBADF)
         with pytest.raises(ValueError, match="runs of"):
-            ucp.file_start(fd_of[:4], offsets[:4], at[:4], lengths[:4], 3)
+            ucp.file_start(runs, at[:4], lengths[:4], 3)
+        with pytest.raises(ValueError, match="the runs hold 5 blocks, the descriptors 6"):
+            ucp.file_start(runs[:2] + [(fds[1], 0, 2)], at, lengths, 3)
+        with pytest.raises(ValueError, match="run 2 .* past the 6 blocks"):
+            ucp.file_start(runs[:2] + [(fds[1], 0, 4)], at, lengths, 3)
+        with pytest.raises(ValueError, match="negative"):
+            ucp.file_start([(fds[0], -1, 6)], at, lengths, 3)
+        with pytest.raises(TypeError, match="a run is"):
+            ucp.file_start([fds[0]], at, lengths, 3)
         with pytest.raises(TypeError, match="not a checked read"):
             ucp.cma_start(0, at[:1], at[:1], 0).checked()
     finally:
@@ -351,12 +358,11 @@ def test_file_start_writes_blocks_to_their_files_with_their_checksums(tmp_path: 
     blocks = [(0, 0), (0, 10_000), (1, 500), (1, 10_500)]  # (file, offset)
     fds = [os.open(tmp_path / f"w{i}", os.O_RDWR | os.O_CREAT, 0o644) for i in range(2)]
     try:
+        runs = [(fds[0], 0, 2), (fds[1], 500, 2)]  # those blocks, as runs of back-to-back ones
         places = rng.permutation(np.arange(0, 90_000, 10_000))[: 2 * len(blocks)].astype(np.uint64)
-        offsets = np.array([o + d for _, o in blocks for d in (0, 3000)], np.uint64)
         lengths = np.tile(piece, len(blocks))
         at = places + np.uint64(src.ctypes.data)
-        fd_of = np.repeat(np.array([fds[f] for f, _ in blocks], np.uint64), 2)
-        sums, whole, err = ucp.file_start(fd_of, offsets, at, lengths, 2, write=True, cut_bytes=cut_bytes).checked()
+        sums, whole, err = ucp.file_start(runs, at, lengths, 2, write=True, cut_bytes=cut_bytes).checked()
         assert (whole, err) == (4, 0)
         assert sums == ucp.crc32c(at, lengths, 2)
         files = [np.fromfile(tmp_path / f"w{i}", np.uint8) for i in range(2)]
@@ -366,9 +372,8 @@ def test_file_start_writes_blocks_to_their_files_with_their_checksums(tmp_path: 
                 assert np.array_equal(files[f][start : start + n], src[int(places[2 * k + j]) :][:n]), (k, j)
         reader = os.open(tmp_path / "w0", os.O_RDONLY)
         try:
-            bad = fd_of.copy()
-            bad[4:6] = reader  # block 2 goes to a file open for reading only
-            assert ucp.file_start(bad, offsets, at, lengths, 2, write=True, cut_bytes=cut_bytes).checked()[1:] == (2, errno.EBADF)
+            bad = [runs[0], (reader, 500, 2)]  # blocks 2 and 3 go to a file open for reading only
+            assert ucp.file_start(bad, at, lengths, 2, write=True, cut_bytes=cut_bytes).checked()[1:] == (2, errno.EBADF)
         finally:
             os.close(reader)
     finally:
@@ -402,33 +407,33 @@ def test_cma_start_with_parts_checks_each_block_where_it_landed(cut_bytes: int) 
 
 
 def test_file_start_moves_runs_of_pieces_and_stops_at_the_end_of_the_file(tmp_path: Any) -> None:
-    """pwritev/preadv of descriptors (file offset, address, length): pieces that continue each other in
-    the file go as one call, others apart; a piece of no bytes moves nothing and is no error; a read
-    past the end moves what there was, and its block is not whole."""
+    """pwritev/preadv of runs of blocks (fd, file offset, blocks), each block's pieces back to back in
+    its run: a run's pieces go as one call, runs apart; a piece of no bytes moves nothing and is no
+    error; a read past the end moves what there was, and its block is not whole."""
     rng = np.random.default_rng(4)
     src = rng.integers(0, 256, 200_000, dtype=np.uint8)
-    offsets = np.array([0, 1000, 1700, 50_000, 50_500], np.uint64)  # runs: [0, 1700+300), [50_000, 51_000)
-    lengths = np.array([1000, 700, 300, 500, 500], np.uint64)
+    offsets = np.array([0, 1000, 1700, 50_000, 50_500], np.uint64)  # where the blocks go: [0, 2000), [50_000, 51_000)
+    lengths = np.array([1000, 700, 300, 500, 500], np.uint64)  # five blocks of one piece each
     at = np.array([5, 90_000, 17, 120_001, 3], np.uint64)
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    runs = [(fd, 0, 3), (fd, 50_000, 2)]
     try:
-        assert ucp.file_start(fd, offsets, at + np.uint64(src.ctypes.data), lengths, 5, write=True).result() == (int(lengths.sum()), 0)
+        assert ucp.file_start(runs, at + np.uint64(src.ctypes.data), lengths, 1, write=True).result() == (int(lengths.sum()), 0)
         data = np.fromfile(tmp_path / "f", np.uint8)
         assert data.size == 51_000
         for o, a, n in zip(offsets.tolist(), at.tolist(), lengths.tolist()):
             assert np.array_equal(data[o : o + n], src[a : a + n])
         dst = np.zeros_like(src)
-        assert ucp.file_start(fd, offsets, at + np.uint64(dst.ctypes.data), lengths, 5).result() == (int(lengths.sum()), 0)
+        assert ucp.file_start(runs, at + np.uint64(dst.ctypes.data), lengths, 1).result() == (int(lengths.sum()), 0)
         for a, n in zip(at.tolist(), lengths.tolist()):
             assert np.array_equal(dst[a : a + n], src[a : a + n])
-        empty = np.array([51_000], np.uint64)
-        nothing = ucp.file_start(fd, empty, np.uint64(src.ctypes.data) + np.zeros(1, np.uint64), 0, 1, write=True)
+        nothing = ucp.file_start([(fd, 51_000, 1)], np.uint64(src.ctypes.data) + np.zeros(1, np.uint64), 0, 1, write=True)
         assert nothing.result() == (0, 0) and nothing.checked() == (bytes(4), 1, 0)  # crc32c of no bytes: 0
-        past = np.array([50_900, 51_000], np.uint64)  # 100 bytes, then none: the file ends at 51_000
-        short = ucp.file_start(fd, past, np.uint64(dst.ctypes.data) + np.array([0, 200], np.uint64), 200, 2)
+        # a block of two pieces from 50_900: 100 bytes, then none (the file ends at 51_000)
+        short = ucp.file_start([(fd, 50_900, 1)], np.uint64(dst.ctypes.data) + np.array([0, 200], np.uint64), 200, 2)
         assert short.result() == (100, 0) and short.checked()[1:] == (0, 0)
         with pytest.raises(OSError):
-            ucp.file_start(1 << 20, offsets, at + np.uint64(dst.ctypes.data), lengths, 5).result()  # no open file
+            ucp.file_start([(1 << 20, 0, 5)], at + np.uint64(dst.ctypes.data), lengths, 1).result()  # no open file
     finally:
         os.close(fd)
 
@@ -760,7 +765,7 @@ def test_a_forked_child_never_waits_for_the_parents_reads(tmp_path: Any) -> None
     fd = os.open(tmp_path / "blocks", os.O_RDWR | os.O_CREAT, 0o644)
     os.write(fd, src.tobytes())
     blocks = src.nbytes // chunk
-    read = ucp.file_start(fd, remote - np.uint64(src.ctypes.data), local, chunk, 1) if ucp.HAS_CRC32C else None
+    read = ucp.file_start([(fd, 0, blocks)], local, chunk, 1) if ucp.HAS_CRC32C else None
     pid = os.fork()
     if pid == 0:  # the child: report through the exit code only
         code = 0
