@@ -43,8 +43,10 @@ Semantics:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -115,38 +117,37 @@ class CpuIndex(StoreIndex):
         self._touch = options.eviction == "lru"
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out 0, 1, 2, ...: runs
-        self._pins = [0] * self.num_slots
+        self._pins = np.zeros(self.num_slots, np.int32)  # loads and saves reading or writing each slot
         self._held: dict[str, list[int]] = {}  # request -> slots it pinned
         self._orphans: set[int] = set()  # forgotten slots still pinned by someone
         self._lock = threading.Lock()
 
+    # The scheduler's calls go through C (map, set and numpy operations), not a Python loop per block:
+    # at 1024 tokens (64 blocks) a loop cost ~0.1 ms of every request's step.
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        for key in keys:
-            if key not in self._slots:
-                break
-            n += 1
-        return n
+        here = list(map(self._slots.__contains__, keys))
+        try:
+            return here.index(False)
+        except ValueError:
+            return len(here)
 
     def members(self, keys: Sequence[bytes]) -> list[int]:
         held = self._slots.keys() & keys  # one set operation in C: a prompt this tier lacks costs no loop
         return [i for i, key in enumerate(keys) if key in held] if held else []
 
-    def _pin(self, request_id: str, slot: int) -> None:
-        self._pins[slot] += 1
-        self._held.setdefault(request_id, []).append(slot)
+    def _pin(self, request_id: str, slots: Sequence[int]) -> None:
+        np.add.at(self._pins, np.asarray(slots, np.intp), 1)
+        self._held.setdefault(request_id, []).extend(slots)
 
     def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> CpuSlots:
-        slots = []
         with self._lock:
-            for key in keys:
-                slot = self._slots.get(key, -1)  # -1: gone since lookup; the worker reports it failed
-                if slot >= 0:
-                    self._pin(request_id, slot)
-                    if self._touch:
-                        self._slots.move_to_end(key)
-                slots.append(slot)
-        return CpuSlots(tuple(slots))
+            slots = tuple(map(self._slots.get, keys, itertools.repeat(-1)))  # -1: gone since lookup (the worker fails it)
+            held = keys if -1 not in slots else list(itertools.compress(keys, [s >= 0 for s in slots]))
+            if held:
+                self._pin(request_id, [s for s in slots if s >= 0] if held is not keys else slots)
+                if self._touch:
+                    collections.deque(map(self._slots.move_to_end, held), maxlen=0)  # each one used now
+        return CpuSlots(slots)
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -171,9 +172,7 @@ class CpuIndex(StoreIndex):
         slots = self._free[len(self._free) - n :][::-1]
         del self._free[len(self._free) - n :]
         self._slots.update(zip(keys, slots))
-        for slot in slots:
-            self._pins[slot] += 1
-        self._held.setdefault(request_id, []).extend(slots)
+        self._pin(request_id, slots)
         return range(n), CpuSlots(tuple(slots))
 
     def _reserve_each(self, request_id: str, keys: Sequence[bytes]) -> tuple[Sequence[int], CpuSlots]:
@@ -189,16 +188,17 @@ class CpuIndex(StoreIndex):
                 self.stats.add(skipped_saves=sum(k not in self._slots for k in keys[i:]))
                 break
             self._slots[key] = slot
-            self._pin(request_id, slot)
+            self._pin(request_id, [slot])
             positions.append(i)
             slots.append(slot)
         return positions, CpuSlots(tuple(slots))
 
     def release(self, request_id: str, failed: Sequence[bytes] = ()) -> None:
         with self._lock:
-            for slot in self._held.pop(request_id, ()):
-                self._pins[slot] -= 1
-                if not self._pins[slot] and slot in self._orphans:
+            held = self._held.pop(request_id, ())
+            np.subtract.at(self._pins, np.asarray(held, np.intp), 1)
+            for slot in self._orphans.intersection(held) if self._orphans else ():
+                if not self._pins[slot]:  # its last pin went: free it now
                     self._orphans.discard(slot)
                     self._free.append(slot)
             for key in failed:  # a reservation whose bytes never came, or a slot that failed its check

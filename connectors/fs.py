@@ -136,6 +136,7 @@ _LOW_WATER = 0.9  # evict down to this fraction of capacity_bytes
 _STALE_TMP_S = 3600.0  # temp files this old belong to a writer that died; eviction scans remove them
 _SHARD = re.compile(r"tp(\d+)\.(\d+)")  # a shard's directory: tp<T>.<rank>
 _REMEMBERED = 4096  # requests (and looked-up prompts) whose save positions the scheduler side keeps
+_FOUND_S = 1.0  # how long what a lookup found answers a chain's members() without a stat
 _ENOSPC = (errno.ENOSPC, errno.EDQUOT)
 
 T = TypeVar("T")
@@ -378,6 +379,9 @@ class FsIndex(_Tree, StoreIndex):
         # last key of a hit another TP size held -> that TP size (its load cuts heads out of that split)
         self._split_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._splits_seen: tuple[float, list[int]] = (-1e9, [])
+        # keys the lookups of the last _FOUND_S seconds found, and since when: a chain asks which blocks
+        # its tiers hold (members) right after its lookup asked how far they go, and need not stat again
+        self._found: tuple[float, set[bytes]] = (-1e9, set())
 
     def reserve_load(self, request_id: str, keys: Sequence[bytes]) -> FsLoad | None:
         tp = self._split_of.get(keys[-1]) if keys else None
@@ -403,7 +407,25 @@ class FsIndex(_Tree, StoreIndex):
             self._splits_seen = (now, sorted(found - {self.tp}))
         return self._splits_seen[1]
 
+    def members(self, keys: Sequence[bytes]) -> list[int]:
+        """Every one of ``keys`` if a lookup found them all just before (a chain's reservation after its
+        lookup); else looked up again. One found then evicted since fails its load, which recomputes it,
+        as one evicted after this answer would."""
+        since, found = self._found
+        if time.monotonic() - since < _FOUND_S and found.issuperset(keys):
+            return list(range(len(keys)))
+        return super().members(keys)
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        n = self._stat_prefix(keys)
+        if n:
+            since, found = self._found
+            if time.monotonic() - since > _FOUND_S or len(found) > _REMEMBERED * 16:
+                self._found = since, found = time.monotonic(), set()
+            found.update(keys[:n])
+        return n
+
+    def _stat_prefix(self, keys: Sequence[bytes]) -> int:
         n = self._prefix(keys)
         if n < len(keys):
             for tp in self._other_splits():  # another TP size may hold more: its ranks are re-sliced

@@ -230,6 +230,11 @@ def test_one_object_per_chunk_and_one_stat_per_chunk(tmp_path, monkeypatch):
         assert _index(consumer).contains_prefix(sent.keys) == 64
         assert len(stats) == len(chunks), stats
         stats.clear()
+        # a chain asks which blocks a tier holds right after its lookup: what that lookup found costs no stat
+        assert _index(consumer).members(sent.keys[10:30]) == list(range(20)) and not stats
+        other = sent.keys[:5] + [os.urandom(16) for _ in range(3)]  # a prompt that goes on elsewhere: stats again
+        assert _index(consumer).members(other) == [0, 1, 2, 3, 4] and stats
+        stats.clear()
         assert _index(consumer).contains_prefix(sent.keys[:40] + [os.urandom(16) for _ in range(24)]) == 40
         assert len(stats) <= len(chunks) + 2 + max(chunks).bit_length()  # whole chunks, then a bisection
         stats.clear()
