@@ -166,14 +166,16 @@ class ChainIndex(_Tiers[StoreIndex], StoreIndex):
             mine = self._members(t, keys)
             if not mine:
                 continue
-            source = self._call(t, "reserve_load", tier.reserve_load, request_id, [keys[i] for i in mine])
+            held = keys if len(mine) == len(keys) else [keys[i] for i in mine]
+            source = self._call(t, "reserve_load", tier.reserve_load, request_id, held)
             if source is _FAILED:
                 continue
             loads.append((t, tuple(mine), source))
             first = dict.fromkeys(mine, t) | first  # a faster tier's claim stands
-        promote = []
+        promote, faster = [], set[int]()  # faster: the positions tiers up to f reserved
         for f, tier in enumerate(self.tiers if self.promote else ()):
-            slower = sorted(i for i, t in first.items() if t > f)
+            faster.update(*(mine for t, mine, _ in loads if t == f))
+            slower = sorted(first.keys() - faster)
             if not slower:
                 continue
             reserved = self._call(f, "reserve_save", tier.reserve_save, request_id, [keys[i] for i in slower])

@@ -133,6 +133,8 @@ class CpuIndex(StoreIndex):
 
     def members(self, keys: Sequence[bytes]) -> list[int]:
         held = self._slots.keys() & keys  # one set operation in C: a prompt this tier lacks costs no loop
+        if len(held) == len(keys):  # all of them (keys are distinct: each names its whole prefix)
+            return list(range(len(keys)))
         return [i for i, key in enumerate(keys) if key in held] if held else []
 
     def _pin(self, request_id: str, slots: Sequence[int]) -> None:
