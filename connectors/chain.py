@@ -202,6 +202,14 @@ class ChainIndex(_Tiers[StoreIndex], StoreIndex):
             self._call(t, "release", tier.release, request_id, failed)
 
 
+def _picked(op: BlockLoad | BlockSave, positions: Sequence[int]) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
+    """The block ids and keys of ``op`` at ``positions``: ``op``'s own where that is all of them, in order
+    (a tier that serves or stores the whole request, the common case, costs no loop)."""
+    if len(positions) == len(op.block_ids) and list(positions) == list(range(len(positions))):
+        return op.block_ids, op.keys
+    return tuple(op.block_ids[i] for i in positions), tuple(op.keys[i] for i in positions)
+
+
 class ChainIO(_Tiers[StoreIO], StoreIO):
     """Worker side: every tier's IO."""
 
@@ -223,9 +231,7 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
                 continue
             if len(todo) < len(positions) and tier_source is not None:
                 todo = list(positions)  # the tier's reservation covers its whole share: load all of it again
-            sub = BlockLoad(
-                op.request_id, tuple(op.block_ids[i] for i in todo), tuple(op.keys[i] for i in todo), tier_source
-            )
+            sub = BlockLoad(op.request_id, *_picked(op, todo), tier_source)
             answer = self._call(t, "load", self.tiers[t].load, sub, layout)
             bad = set(sub.block_ids) if answer is _FAILED else set(answer)
             arrived = [i for i in todo if op.block_ids[i] not in bad]
@@ -273,9 +279,7 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
             keep = [i for i in positions if op.block_ids[i] not in lost]
             if len(keep) < len(positions) and target is not None:
                 continue  # the tier placed every block itself: all or nothing
-            sub_save = BlockSave(
-                op.request_id, tuple(op.block_ids[i] for i in keep), tuple(op.keys[i] for i in keep), target
-            )
+            sub_save = BlockSave(op.request_id, *_picked(op, keep), target)
             if sub_save.block_ids and self._call(f, "save", self.tiers[f].save, sub_save, layout) is not _FAILED:
                 n = len(sub_save.block_ids)
                 self.stats.add(promoted_blocks=n)
@@ -285,12 +289,7 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
         plan: tuple[TierShare, ...] = op.target.tiers if isinstance(op.target, ChainSave) else ()
         stored = False
         for t, positions, target in plan:
-            sub = BlockSave(
-                op.request_id,
-                tuple(op.block_ids[i] for i in positions),
-                tuple(op.keys[i] for i in positions),
-                target,
-            )
+            sub = BlockSave(op.request_id, *_picked(op, positions), target)
             if self._call(t, "save", self.tiers[t].save, sub, layout) is not _FAILED:
                 stored = True
                 n = len(sub.block_ids)
