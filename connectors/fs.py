@@ -146,8 +146,9 @@ T = TypeVar("T")
 class FsOptions:
     """``path``: the shared directory (created if missing). ``capacity_bytes``: 0 = unbounded, else
     evict oldest objects to stay under it. ``fsync``: flush every object before the save returns.
-    ``checksum``: ``crc32`` (zlib, always there, ~4 GB/s here) or ``crc32c`` (hardware, ~20-33 GB/s,
-    needs ``pip install google-crc32c``, in ``kvbridge[fs]``; the default where it is installed);
+    ``checksum``: ``crc32`` (zlib, always there, ~4 GB/s here) or ``crc32c`` (hardware, ~20-33 GB/s:
+    kvbridge's native module where built, else ``google-crc32c``, in ``kvbridge[fs]``; the default where
+    either is there);
     readers verify whichever kind an object names. ``chunk_tokens``: tokens per object on average (in
     whole blocks, at least one); engines sharing a directory find each other's objects only with the
     same number of blocks per chunk. ``io_threads``: threads moving one load's or save's blocks.

@@ -51,8 +51,8 @@ and then fails from that block (recomputed, never wrong bytes).
 **Saves** allocate each object in LMCache's CPU arena and copy the blocks straight from the KV cache
 into it (no staging buffer: with a KV in host memory one call on :mod:`kvbridge._ucp`'s native threads,
 each block's crc32c taken beside its copy; else one ``index_select`` per layer into the object's
-block-major view, then the checksums: ``crc32c`` where ``google-crc32c`` is installed, else
-``crc32``), write the header, and put it at once, so LMCache's disk writer stores one object while the
+block-major view, then the checksums: ``crc32c`` where it can be computed (the native module or
+``google-crc32c``), else ``crc32``), write the header, and put it at once, so LMCache's disk writer stores one object while the
 next is filled.
 The save then waits — bounded by ``timeout_s`` — until the disk and remote writes are done and the
 remote answers for the last of them (``lm://`` puts are unacknowledged), so a consumer can see them
@@ -162,7 +162,7 @@ class LMCacheOptions:
     directory (private to the process). ``model_name``: a readable label in every LMCache key (the
     namespace digest follows it). ``timeout_s``: the longest a save waits for its writes, and a remote
     call for its reply. ``reconnect_s``: how often to retry a remote that went away. ``checksum``:
-    ``crc32`` or ``crc32c`` (hardware, ``pip install google-crc32c``; the default where installed);
+    ``crc32`` or ``crc32c`` (hardware: the native module or ``google-crc32c``; the default where either is);
     readers verify whichever kind an object names. ``chunk_tokens``: tokens per object on average (in
     whole blocks, at least one); engines find each other's objects only with the same number of blocks
     per chunk.

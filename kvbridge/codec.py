@@ -82,9 +82,9 @@ fingerprint, so the header has a fixed size::
         24     16  the layout fingerprint's digest (:meth:`LayoutFingerprint.digest`, ASCII hex)
         40     16  blake2b-128 of the block key
 
-**Checksums.** ``crc32`` (zlib: always there, ~3.7 GB/s here) or ``crc32c`` (``google-crc32c``,
-hardware, ~22 GB/s; :func:`have_crc32c` probes for it once; :mod:`kvbridge._ucp`'s own, where built, ~33
-GB/s on a CPU with VPCLMULQDQ). A writer picks one; a reader verifies whichever kind an object names.
+**Checksums.** ``crc32`` (zlib: always there, ~3.7 GB/s here) or ``crc32c`` (:mod:`kvbridge._ucp`'s own
+where built, ~33 GB/s on a CPU with VPCLMULQDQ, else ``google-crc32c``, ~22 GB/s; :func:`have_crc32c`
+probes for either once). A writer picks one; a reader verifies whichever kind an object names.
 
 **Checks of a block object** (:meth:`BlockFormat.check`), in this order; each failure raises
 :class:`~kvbridge.errors.Corrupted`, whose ``damaged`` says what to do with the object
@@ -139,32 +139,59 @@ def _google_crc32c() -> ModuleType | None:
     return google_crc32c
 
 
+@functools.cache
+def _native_crc32c() -> ModuleType | None:
+    """:mod:`kvbridge._ucp` where it is built with crc32c (SSE4.2), else ``None``."""
+    from kvbridge import native  # here: codec is imported where the native module is not wanted
+
+    mod = native.load()[0]
+    return mod if mod is not None and getattr(mod, "HAS_CRC32C", False) else None
+
+
 def have_crc32c() -> bool:
-    """Whether ``crc32c`` can be computed here (``pip install google-crc32c``); probed once."""
-    return _google_crc32c() is not None
+    """Whether ``crc32c`` can be computed here: :mod:`kvbridge._ucp`'s own, or ``google-crc32c``; probed once.
+    (Either is enough: an environment without the ``fs`` extra, vLLM's, still writes and checks crc32c.)"""
+    return _native_crc32c() is not None or _google_crc32c() is not None
 
 
 def default_checksum() -> Literal["crc32", "crc32c"]:
-    """``crc32c`` where it is installed, else ``crc32``."""
+    """``crc32c`` where it can be computed, else ``crc32``."""
     return "crc32c" if have_crc32c() else "crc32"
 
 
 def require_checksum(name: str, what: str) -> None:
     """Raise :class:`MissingDependency` when option ``checksum=name`` of backend ``what`` cannot work here."""
     if name == "crc32c" and not have_crc32c():
-        raise MissingDependency(f"{what} option checksum='crc32c' needs google-crc32c: pip install google-crc32c")
+        raise MissingDependency(
+            f"{what} option checksum='crc32c' needs kvbridge's native module or google-crc32c: pip install google-crc32c"
+        )
+
+
+def _native_checksum(mod: ModuleType, parts: Sequence[Any]) -> int:
+    """crc32c of the concatenation of ``parts`` in one native call (the GIL released); strided parts copied."""
+    if not parts:
+        return 0
+    flat = [np.ascontiguousarray(np.frombuffer(p, np.uint8) if isinstance(p, (bytes, bytearray)) else np.asarray(p))
+            for p in parts]  # fmt: skip
+    addresses = np.array([a.ctypes.data for a in flat], np.uint64)
+    lengths = np.array([a.nbytes for a in flat], np.uint64)
+    return int.from_bytes(mod.crc32c(addresses, lengths, len(flat)), "little")
 
 
 def checksum(kind: int, parts: Sequence[Any]) -> int:
     """The checksum of the concatenation of ``parts`` (buffers: memoryviews, numpy arrays), no copy."""
     crc = 0
     if kind == CRC32C:
+        mod = _native_crc32c()
+        if mod is not None:
+            return _native_checksum(mod, parts)
         lib = _google_crc32c()
         if lib is None:
-            raise MissingDependency("crc32c needs google-crc32c: pip install google-crc32c")
+            raise MissingDependency("crc32c needs kvbridge's native module or google-crc32c: pip install google-crc32c")
         for part in parts:
-            # it refuses memoryviews (a numpy view is no copy); it releases the GIL only for bytes >= 1 MiB
-            crc = lib.extend(crc, part if isinstance(part, bytes) else np.asarray(part))
+            # it refuses memoryviews and strided arrays (a contiguous numpy view is no copy); it releases
+            # the GIL only for bytes >= 1 MiB
+            crc = lib.extend(crc, part if isinstance(part, bytes) else np.ascontiguousarray(part))
         return int(crc)
     if kind != CRC32:
         raise ValueError(f"unknown checksum kind {kind}")
@@ -178,10 +205,8 @@ def block_checksums(kind: int, blocks: np.ndarray) -> np.ndarray:
     after another), ``uint32 [n]``. crc32c goes through :mod:`kvbridge._ucp` in one call, the GIL released,
     where it is built; otherwise one :func:`checksum` per block."""
     if kind == CRC32C and blocks.size and blocks.flags.c_contiguous:
-        from kvbridge import native  # here: codec is imported where the native module is not wanted
-
-        mod = native.load()[0]
-        if mod is not None and getattr(mod, "HAS_CRC32C", False):
+        mod = _native_crc32c()
+        if mod is not None:
             n, payload = blocks.shape
             addresses = np.uint64(blocks.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(payload)
             return np.frombuffer(mod.crc32c(addresses, payload, 1), "<u4").astype(np.uint32)
