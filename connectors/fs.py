@@ -114,7 +114,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import torch
 
-from kvbridge import codec, native
+from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, Corrupted, LayoutMismatch, StoreFull
 from kvbridge.layout import KVLayout, LayoutFingerprint, block_words, reslice
@@ -527,8 +527,7 @@ class FsStore(_Tree, StoreIO):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._views: tuple[KVLayout, _Blocks | None] | None = None
         # kvbridge._ucp where it loaded and has crc32c: reads checked without a Python object per block
-        mod = native.load()[0]
-        self._native = mod if mod is not None and getattr(mod, "HAS_CRC32C", False) else None
+        self._native = codec.native_crc32c()
 
     def attach(self, layout: KVLayout) -> None:
         self._blocks(layout)

@@ -52,8 +52,8 @@ and then fails from that block (recomputed, never wrong bytes).
 into it (no staging buffer: with a KV in host memory one call on :mod:`kvbridge._ucp`'s native threads,
 each block's crc32c taken beside its copy; else one ``index_select`` per layer into the object's
 block-major view, then the checksums: ``crc32c`` where it can be computed (the native module or
-``google-crc32c``), else ``crc32``), write the header, and put it at once, so LMCache's disk writer stores one object while the
-next is filled.
+``google-crc32c``), else ``crc32``), write the header, and put it at once, so LMCache's disk writer
+stores one object while the next is filled.
 The save then waits — bounded by ``timeout_s`` — until the disk and remote writes are done and the
 remote answers for the last of them (``lm://`` puts are unacknowledged), so a consumer can see them
 when the save returns. A full arena (nothing evictable) saves what fit and raises

@@ -140,8 +140,8 @@ def _google_crc32c() -> ModuleType | None:
 
 
 @functools.cache
-def _native_crc32c() -> ModuleType | None:
-    """:mod:`kvbridge._ucp` where it is built with crc32c (SSE4.2), else ``None``."""
+def native_crc32c() -> ModuleType | None:
+    """:mod:`kvbridge._ucp` where it loaded and is built with crc32c (SSE4.2), else ``None``; probed once."""
     from kvbridge import native  # here: codec is imported where the native module is not wanted
 
     mod = native.load()[0]
@@ -151,7 +151,7 @@ def _native_crc32c() -> ModuleType | None:
 def have_crc32c() -> bool:
     """Whether ``crc32c`` can be computed here: :mod:`kvbridge._ucp`'s own, or ``google-crc32c``; probed once.
     (Either is enough: an environment without the ``fs`` extra, vLLM's, still writes and checks crc32c.)"""
-    return _native_crc32c() is not None or _google_crc32c() is not None
+    return native_crc32c() is not None or _google_crc32c() is not None
 
 
 def default_checksum() -> Literal["crc32", "crc32c"]:
@@ -159,12 +159,13 @@ def default_checksum() -> Literal["crc32", "crc32c"]:
     return "crc32c" if have_crc32c() else "crc32"
 
 
+_NO_CRC32C = "needs kvbridge's native module or google-crc32c: pip install google-crc32c"
+
+
 def require_checksum(name: str, what: str) -> None:
     """Raise :class:`MissingDependency` when option ``checksum=name`` of backend ``what`` cannot work here."""
     if name == "crc32c" and not have_crc32c():
-        raise MissingDependency(
-            f"{what} option checksum='crc32c' needs kvbridge's native module or google-crc32c: pip install google-crc32c"
-        )
+        raise MissingDependency(f"{what} option checksum='crc32c' {_NO_CRC32C}")
 
 
 def _native_checksum(mod: ModuleType, parts: Sequence[Any]) -> int:
@@ -179,15 +180,16 @@ def _native_checksum(mod: ModuleType, parts: Sequence[Any]) -> int:
 
 
 def checksum(kind: int, parts: Sequence[Any]) -> int:
-    """The checksum of the concatenation of ``parts`` (buffers: memoryviews, numpy arrays), no copy."""
+    """The checksum of the concatenation of ``parts`` (buffers: memoryviews, numpy arrays), no copy of a
+    contiguous part."""
     crc = 0
     if kind == CRC32C:
-        mod = _native_crc32c()
+        mod = native_crc32c()
         if mod is not None:
             return _native_checksum(mod, parts)
         lib = _google_crc32c()
         if lib is None:
-            raise MissingDependency("crc32c needs kvbridge's native module or google-crc32c: pip install google-crc32c")
+            raise MissingDependency(f"crc32c {_NO_CRC32C}")
         for part in parts:
             # it refuses memoryviews and strided arrays (a contiguous numpy view is no copy); it releases
             # the GIL only for bytes >= 1 MiB
@@ -205,7 +207,7 @@ def block_checksums(kind: int, blocks: np.ndarray) -> np.ndarray:
     after another), ``uint32 [n]``. crc32c goes through :mod:`kvbridge._ucp` in one call, the GIL released,
     where it is built; otherwise one :func:`checksum` per block."""
     if kind == CRC32C and blocks.size and blocks.flags.c_contiguous:
-        mod = _native_crc32c()
+        mod = native_crc32c()
         if mod is not None:
             n, payload = blocks.shape
             addresses = np.uint64(blocks.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(payload)
