@@ -61,6 +61,25 @@ def memcpy_stream(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Ti
     return time_reps(lambda _: mod.cma_start(0, remote, local, piece, streaming=True).result(), reps)
 
 
+def pcie(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+    """For a KV cache on a GPU (``env["device"]``): one ``copy_`` of ``nbytes`` between pinned host memory and
+    the device, as a store's staging moves them (``save``: device to host; ``load``: host to device;
+    ``transfer``: device to device), timed to the end of the copy (``torch.cuda.synchronize``)."""
+    device = torch.device(env.get("device", "cuda"))
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise Unavailable(f"pcie measures a CUDA device; the KV cache here is on {device}")
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    fill_random(gpu)
+    other = torch.empty_like(gpu) if op == "transfer" else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src, dst = (other, gpu) if op == "load" else (gpu, other)
+
+    def copy(_: object) -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    return time_reps(copy, reps)
+
+
 def file(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
     """One sequential ``write`` (``save``; plus ``os.fsync`` when the backend fsyncs) or ``readinto``
     (``load``) of ``nbytes`` in the backend's own directory.
@@ -233,7 +252,9 @@ def ucxx_raw(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
 
 
 BASELINES: dict[str, Baseline] = {
-    "memcpy": memcpy, "memcpy:nt": memcpy_stream, "file": file, "tcp": tcp, "ucxx": ucxx_raw,
+    "memcpy": memcpy, "memcpy:nt": memcpy_stream, "file": file, "tcp": tcp, "ucxx": ucxx_raw, "pcie": pcie,
 }  # fmt: skip
+# a KV cache on a GPU: host-memory baselines become the copy between pinned host memory and the device
+ON_DEVICE = {"memcpy": "pcie", "memcpy:nt": "pcie"}
 
-__all__ = ["BASELINES", "Baseline", "Unavailable", "file", "memcpy", "memcpy_stream", "tcp", "ucxx_raw"]
+__all__ = ["BASELINES", "ON_DEVICE", "Baseline", "Unavailable", "file", "memcpy", "memcpy_stream", "pcie", "tcp", "ucxx_raw"]

@@ -33,7 +33,7 @@ from typing import Any
 from kvbridge import registry
 from kvbridge.bench import lmcache_native as _lmcache_native
 from kvbridge.bench import ucx_baselines as _ucx_baselines  # noqa: F401 - registers the "ucxx-wa" baseline
-from kvbridge.bench.baselines import BASELINES, Unavailable
+from kvbridge.bench.baselines import BASELINES, ON_DEVICE, Unavailable
 from kvbridge.bench.core import (
     SHAPES,
     KVPool,
@@ -75,8 +75,12 @@ class BackendBench:
     # tier it promoted into on the first rep, not the shared one a P/D hand-off reads)
     fresh: bool = False
 
-    def chosen(self, quick: bool) -> tuple[str, ...]:
-        return self.quick if quick and self.quick is not None else self.baselines
+    def chosen(self, quick: bool, device: str = "cpu") -> tuple[str, ...]:
+        """The baselines to measure; for a KV cache on a GPU the host-memory ones become ``pcie``."""
+        picked = self.quick if quick and self.quick is not None else self.baselines
+        if device == "cpu":
+            return picked
+        return tuple(dict.fromkeys(ON_DEVICE.get(b, b) for b in picked))
 
 
 def _cpu(tmp: Path, point: Point) -> Target:
@@ -526,6 +530,10 @@ class Measurer:
         peer = getattr(registry.get(name), "kind", "store") == "peer"
         if not self._ops(peer):
             return records  # none of the chosen ops applies: the backend is not even opened
+        bases = spec.chosen(self.quick, point.device)
+        if peer and point.device != "cpu":
+            why = "a peer's transfer is benched from host memory (its GPU path: tests/test_gpu.py)"
+            return _not_measured(name, "transfer", point, bases, why)
         if peer and spec.transfer is not None:
             return self._deployed(name, spec, point, spec.transfer)
         try:
@@ -533,7 +541,7 @@ class Measurer:
                 peer = target.producer.kind == "peer"
                 ops = self._ops(peer)
                 pair = Pair(target, point)
-                env = medium_env(target, tmp, point) | {"fresh": spec.fresh}
+                env = medium_env(target, tmp, point) | {"fresh": spec.fresh, "device": point.device}
                 timed: list[tuple[str, Timing | StallTiming | None, str]] = []
                 try:
                     for op in ops:
@@ -549,12 +557,12 @@ class Measurer:
                 for op, ours, note in timed:
                     if op == "save_stall":
                         stall = ours if isinstance(ours, StallTiming) else None
-                        records += self._stall_records(name, point, stall, spec.chosen(self.quick), env, note)
+                        records += self._stall_records(name, point, stall, bases, env, note)
                     else:
                         plain = ours if isinstance(ours, Timing) else None
-                        records += self._records(name, op, point, plain, spec.chosen(self.quick), env, note)
+                        records += self._records(name, op, point, plain, bases, env, note)
         except Exception as exc:  # noqa: BLE001 - the backend would not start
-            records += _not_measured(name, "-", point, spec.chosen(self.quick), f"{type(exc).__name__}: {exc}")
+            records += _not_measured(name, "-", point, bases, f"{type(exc).__name__}: {exc}")
         return records
 
     def _deployed(self, name: str, spec: BackendBench, point: Point, transfer: Callable[[Point, int], Timing]) -> list[Record]:
@@ -604,6 +612,10 @@ class Measurer:
         records: list[Record] = []
         for point in points:
             self.progress.step(f"{name} {point.label()} (external)")
+            if point.device != "cpu":
+                why = f"{name}'s case runs on host memory"
+                records += [r for row, bases in rows.items() for r in _not_measured(row, "-", point, bases, why)]
+                continue
             try:
                 got, note = peer.run(point, self.reps), ""
             except Exception as exc:  # noqa: BLE001

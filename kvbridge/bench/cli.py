@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -17,6 +18,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from typing import TextIO
+
+import torch
 
 from kvbridge.bench.cases import OPS, Measurer, Progress, bench_names, count_cases
 from kvbridge.bench.core import SHAPES, Point, Record
@@ -64,6 +67,23 @@ def _output(text: str) -> str:
     return text
 
 
+def _device(text: str) -> str:
+    """``cpu`` or a CUDA device that exists here (checked at start-up, not at the first case)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"--device takes cpu or cuda[:N], got {text!r}") from None
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"--device takes cpu or cuda[:N], got {text!r}")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"--device {text}: no CUDA device here (torch {torch.__version__})")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return str(device)
+
+
 def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
@@ -78,6 +98,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", type=_names, help=f"comma-separated of {list(OPS)} (default: all)")
     parser.add_argument("--reps", type=_positive_int, help="timed repetitions per case (default 3; --quick 2)")
     parser.add_argument("--quick", action="store_true", help="a small matrix in seconds")
+    parser.add_argument("--device", type=_device, default="cpu",
+                        help="where the KV cache lives: cpu (default), or cuda / cuda:N (stores then go through pinned staging)")
     parser.add_argument("--prefill-tps", type=float, default=10_000.0,
                         help="prefill throughput (tokens/s) of the real model, for transfer vs recompute (default 10000)")  # fmt: skip
     parser.add_argument("--no-recompute", action="store_true", help="skip the transfer vs recompute section")
@@ -94,8 +116,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def matrix(args: argparse.Namespace) -> list[Point]:
     """The points to measure, from the options."""
     picked = [args.shapes, args.tokens, args.block_size, args.ids, args.requests]
+    device = getattr(args, "device", "cpu")
     if not any(picked):
-        return list(QUICK_MATRIX if args.quick else DEFAULT_MATRIX)
+        return [dataclasses.replace(p, device=device) for p in (QUICK_MATRIX if args.quick else DEFAULT_MATRIX)]
     unknown = [s for s in args.shapes or () if s not in SHAPES]
     if unknown:
         raise ConfigError(f"unknown shape(s) {unknown}; known: {sorted(SHAPES)}")
@@ -103,7 +126,7 @@ def matrix(args: argparse.Namespace) -> list[Point]:
     if bad_ids:
         raise ConfigError(f"--ids takes contiguous, scattered; got {bad_ids}")
     return [
-        Point(SHAPES[s], t, b, i, r)
+        Point(SHAPES[s], t, b, i, r, device)
         for s, t, b, i, r in itertools.product(
             args.shapes or ["8b"], args.tokens or ([64, 256] if args.quick else [256, 1024]), args.block_size or [16],
             args.ids or ["scattered"], args.requests or [1],

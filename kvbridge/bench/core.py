@@ -60,6 +60,7 @@ class Point:
     block_size: int = 16
     ids: IdPattern = "scattered"
     requests: int = 1
+    device: str = "cpu"  # where the KV cache lives: "cpu", or "cuda" (its blocks reach a store through pinned staging)
 
     @property
     def blocks_per_request(self) -> int:
@@ -75,7 +76,8 @@ class Point:
         return self.blocks * self.block_size * self.shape.bytes_per_token
 
     def label(self) -> str:
-        return f"{self.shape.name} {self.tokens}tok bs{self.block_size} {self.ids} x{self.requests}"
+        where = "" if self.device == "cpu" else f" on {self.device}"
+        return f"{self.shape.name} {self.tokens}tok bs{self.block_size} {self.ids} x{self.requests}{where}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +150,7 @@ class Record:
     requests: int = 1
     reps: int = 0
     note: str = ""
+    device: str = "cpu"  # where the KV cache was (Point.device)
     save_s: float | None = None  # save_stall: median of the save's own time (the worker's save_seconds per step)
     stall_frac: float | None = None  # save_stall: median over steps of stall / the save's own time
 
@@ -198,11 +201,18 @@ def make_record(
         requests=point.requests,
         reps=len(ours.samples) if ours else 0,
         note=note,
+        device=point.device,
     )
 
 
 def fill_random(t: torch.Tensor, seed: int = 0) -> None:
-    """Fill ``t`` with random bytes, once (a real KV cache is incompressible noise to a transport)."""
+    """Fill ``t`` with random bytes, once (a real KV cache is incompressible noise to a transport).
+    A CUDA tensor gets the same bytes as a CPU one of that seed (drawn on the host, then copied)."""
+    if t.device.type != "cpu":
+        host = torch.empty(t.shape, dtype=t.dtype)
+        fill_random(host, seed)
+        t.copy_(host)
+        return
     g = torch.Generator().manual_seed(seed)
     flat = t.view(-1).view(torch.int16) if t.element_size() == 2 else t.view(-1).view(torch.uint8)
     lo, hi = (-(2**15), 2**15) if flat.dtype == torch.int16 else (0, 256)
@@ -249,6 +259,7 @@ class KVPool:
             point.block_size,
             2 * shape.head_size,
             dtype=shape.dtype,
+            device=point.device,
         )
         if fill:
             fill_random(base, seed)

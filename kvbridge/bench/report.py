@@ -58,6 +58,11 @@ def _base(r: Record) -> str:
     return f"{r.baseline_gbps:.2f} GB/s"
 
 
+def _shape(r: Record) -> str:
+    """The model shape, and where the KV cache was when it was not in host memory (``8b@cuda``)."""
+    return r.shape if r.device == "cpu" else f"{r.shape}@{r.device}"
+
+
 def table(records: Sequence[Record]) -> str:
     """The measurement table: ours beside the baseline, and ``ratio`` = ours/baseline in throughput."""
     head = ("backend", "op", "shape", "tokens", "bs", "ids", "req", "size", "ours", "p99", "baseline", "base", "ratio")
@@ -72,7 +77,7 @@ def table(records: Sequence[Record]) -> str:
             key = (r.backend, r.op, r.shape, r.tokens, r.block_size, r.ids, r.requests, r.note)
             if key not in seen:  # one row, whatever the number of baselines
                 seen.add(key)
-                where = (r.shape, str(r.tokens), str(r.block_size), r.ids[:4], str(r.requests)) if r.op != "-" else ()
+                where = (_shape(r), str(r.tokens), str(r.block_size), r.ids[:4], str(r.requests)) if r.op != "-" else ()
                 rows.append((r.backend, r.op, *where, r.note))
             continue
         ours, p99 = _ours(r)
@@ -81,7 +86,7 @@ def table(records: Sequence[Record]) -> str:
             ratio += "?"  # faster than its own medium: the baseline ran slow this time (noise), not us fast
             doubtful = True
         size = "" if r.op == "sched_step" else _size(r.bytes)
-        rows.append((r.backend, r.op, r.shape, str(r.tokens), str(r.block_size), r.ids[:4], str(r.requests), size,
+        rows.append((r.backend, r.op, _shape(r), str(r.tokens), str(r.block_size), r.ids[:4], str(r.requests), size,
                      ours, p99, r.baseline, _base(r), ratio))  # fmt: skip
         if r.note:
             notes.append((r.backend, r.note))
@@ -97,6 +102,7 @@ DOUBTFUL = 1.5  # a ratio above this to the raw medium says more about the basel
 # what each baseline is, in plain words (the legend under the table); a name not here is described by its own row
 BASELINES: dict[str, str] = {
     "memcpy": "one torch copy of the same bytes in this process's memory (the medium of memory and cpu)",
+    "pcie": "a KV cache on a GPU: one copy of the same bytes between pinned host memory and the device (load: to it)",
     "memcpy:nt": "the same bytes by kvbridge's native copy: streaming stores, cut between two threads (the fastest copy here)",
     "file": "one sequential write / readinto of the same bytes, one file in the store's directory (the medium of fs, and of chain: cpu then fs)",
     "tcp": "a plain TCP socket on loopback between two processes, sending the same bytes",

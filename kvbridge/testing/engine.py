@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -188,9 +189,12 @@ class MiniEngine:
         kv_dtype: str | None = None,
         namespace: str = "mini",
         seed: int = 0,
-        device: str = "cpu",
+        device: str | None = None,
         tp: int = 1,
     ):
+        # the default is $KVBRIDGE_TEST_DEVICE (else cpu): the whole conformance suite runs on a GPU with
+        # KVBRIDGE_TEST_DEVICE=cuda (.ci/gpu-check), every backend's bytes still compared on the host
+        device = device or os.environ.get("KVBRIDGE_TEST_DEVICE") or "cpu"
         self.block_size = block_size
         if kv_format == BLOCKS_FIRST:  # one allocation, per-layer [B, H, N, 2D] views (vLLM >= 0.26)
             shape: tuple[int, ...] = (num_layers, num_blocks, num_kv_heads, block_size, 2 * head_size)
