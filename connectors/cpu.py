@@ -39,6 +39,13 @@ Semantics:
   between the two threads; saves write the pool with streaming stores (the pool is not read soon:
   no read-for-ownership of its lines), loads from 32 MiB too. Where something is queued on the IO
   thread, or the KV is on a GPU, the IO thread moves it, in plan order.
+- With a KV on a GPU the pool is pinned and every copy is a DMA of a whole run of consecutive slots
+  per layer, on the store's own streams (loads and saves each have one, so neither waits for the
+  forward pass queued after it): a save gathers its blocks on the device (one kernel per layer) and
+  copies each run down; a load copies each run up and scatters on the device. Slots come in runs
+  (free slots are handed out 0, 1, 2, ...; LRU evicts old runs together), so a request costs layers x
+  runs copies; a pool so fragmented that a request spans more than :data:`_MAX_RUNS` runs goes
+  through one ``index_select``/``index_copy_`` on the host instead.
 """
 
 from __future__ import annotations
@@ -238,6 +245,7 @@ class CpuPool(StoreIO):
         self.pool: torch.Tensor | None = None
         self._tags: list[bytes | None] = []
         self._stream: Any = None  # the loads' own CUDA stream
+        self._save_stream: Any = None  # the saves' (a save runs on the IO thread while loads run)
         # per layer: (KV, pool) as rows of int32 words, the targets of index_copy_ on the CPU (on the CPU,
         # index_copy_ into rows of int32 runs ~1.3-2x faster than into a 4-d bf16 block view; index_select
         # is the other way round, so gathers keep the layout's typed views)
@@ -262,6 +270,7 @@ class CpuPool(StoreIO):
         self._tags = [None] * num_slots
         if pin:
             self._stream = torch.cuda.Stream(layout.device)
+            self._save_stream = torch.cuda.Stream(layout.device)
         self._words, self._native = None, None
         if layout.device.type == "cpu":
             kv = [block_words(v, torch.int32) for v in layout.layers]
@@ -300,7 +309,9 @@ class CpuPool(StoreIO):
         def copy(layer: int) -> None:
             if not n:
                 return
-            if len(slot_runs) == 1:
+            if layout.device.type != "cpu" and len(slot_runs) <= _MAX_RUNS:
+                src = _runs_up(pool[layer], slot_runs, layout.device)
+            elif len(slot_runs) == 1:
                 src = pool[layer, slot_runs[0][0] : slot_runs[0][0] + n]
             else:
                 src = pool[layer].index_select(0, at)
@@ -406,11 +417,26 @@ class CpuPool(StoreIO):
             self._tags[slot] = None
         if self._native is not None:  # one call, GIL released
             self._native_save(slots, op.block_ids, layout).result()
+        elif self._save_stream is not None and len(coalesce(slots)) <= _MAX_RUNS:
+            self._dma_out(pool, slots, op.block_ids, layout)
         else:
             self._copy_out(pool, slots, op.block_ids, layout)
         _sync(layout)
         for slot, key in zip(slots, op.keys):
             self._tags[slot] = key
+
+    def _dma_out(self, pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], layout: KVLayout) -> None:
+        """A KV on a GPU into slots: gathered on the device, then one DMA per layer and run of slots."""
+        stream = self._save_stream
+        stream.wait_stream(torch.cuda.current_stream(layout.device))  # the forward pass that wrote the blocks
+        with torch.cuda.stream(stream):
+            staged = layout.gather(block_ids)  # [layers, n, block_bytes] on the device
+            at = 0
+            for start, n in coalesce(slots):
+                for layer in range(layout.num_layers):
+                    pool[layer, start : start + n].copy_(staged[layer, at : at + n], non_blocking=True)
+                at += n
+            stream.synchronize()  # the pool holds the bytes before the slots are tagged
 
     def _copy_out(self, pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], layout: KVLayout) -> None:
         """Blocks into slots with torch (a KV on a GPU, or no native module)."""
@@ -452,9 +478,26 @@ def _int32_rows(blocks: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def _runs_up(pool_layer: torch.Tensor, slot_runs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """One layer's slots (runs of a pinned ``[slots, block_bytes]``), on the device in slot order: a DMA per
+    run, on the current stream."""
+    out = torch.empty((sum(n for _, n in slot_runs), pool_layer.shape[1]), dtype=torch.uint8, device=device)
+    at = 0
+    for start, n in slot_runs:
+        out[at : at + n].copy_(pool_layer[start : start + n], non_blocking=True)
+        at += n
+    return out
+
+
 def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], layout: KVLayout) -> None:
     ids = layout.check_ids(block_ids)
     slot_runs = coalesce(slots)
+    if layout.device.type != "cpu" and pool.is_pinned() and len(slot_runs) <= _MAX_RUNS:
+        runs = coalesce(block_ids)
+        for layer in range(layout.num_layers):  # up run by run, then one scatter kernel on the device
+            layout.scatter_layer(layer, ids, _runs_up(pool[layer], slot_runs, layout.device), runs)
+        _sync(layout)
+        return
     if len(slot_runs) == 1:  # consecutive slots: each layer's source is one contiguous slice
         src = pool[:, slot_runs[0][0] : slot_runs[0][0] + len(slots)]
     else:
@@ -470,6 +513,10 @@ def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], lay
 # From here a load's copy into the KV uses streaming stores too: a copy this large cannot stay in the cache
 # (32 MiB of L3 here), so skipping the read-for-ownership only gains (measured 10 -> 16 GB/s at 128 MiB).
 _STREAM_LOAD_BYTES = 32 << 20
+
+# A KV on a GPU: a request whose slots fall in more runs than this goes through the host (index_select or
+# index_copy_, then one copy), not a DMA per run and layer (each costs ~5-10 us to issue from Python).
+_MAX_RUNS = 16
 
 
 def _sync(layout: KVLayout) -> None:

@@ -117,7 +117,7 @@ import torch
 from kvbridge import codec
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import ConfigError, Corrupted, LayoutMismatch, StoreFull
-from kvbridge.layout import KVLayout, LayoutFingerprint, block_words, reslice
+from kvbridge.layout import BlockAddressing, KVLayout, LayoutFingerprint, block_words, reslice, staged_addressing
 from kvbridge.options import require, writable_directory
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
@@ -170,8 +170,9 @@ class FsOptions:
 
 
 # a block of a save (its index in the op) -> views of its bytes; None where kvbridge._ucp moves the
-# blocks by address (FsStore._write_native)
-_Parts = Callable[[int], list[Any]] | None
+# blocks by address (FsStore._write_native); the addressing of a staging buffer holding the op's blocks in
+# order (a KV on a GPU, gathered into pinned memory) where kvbridge._ucp moves them from there
+_Parts = Callable[[int], list[Any]] | BlockAddressing | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -603,7 +604,9 @@ class FsStore(_Tree, StoreIO):
         compared by the poll that sees the read over. No hand-off to the IO thread and back, which cost
         ~0.3 ms of an 8 MiB load here (its read takes ~0.4). ``None`` (the IO thread loads it) for what
         :meth:`load` does another way: another TP size's shards, a GPU KV, objects of another checksum."""
-        if not self._native_crc(layout) or isinstance(op.source, FsLoad) and op.source.tp != self.tp:
+        if self._staged(layout) or not self._native_crc(layout):
+            return None
+        if isinstance(op.source, FsLoad) and op.source.tp != self.tp:
             return None
         layout.check_range(op.block_ids)
         reads = self._locate(op.keys, layout.fingerprint)
@@ -736,17 +739,32 @@ class FsStore(_Tree, StoreIO):
 
     def _native_crc(self, layout: KVLayout, reads: Sequence[_Read] = ()) -> bool:
         """Whether blocks move through :mod:`kvbridge._ucp` (``file_start``: moved and checked on its threads,
-        no Python object per block): a CPU KV (any layout: a block's pieces are addressed), read in place,
-        objects checked with crc32c (this store's kind, and every object's a load reads)."""
-        return (self._native is not None and layout.device.type == "cpu" and not self._direct
+        no Python object per block): a CPU KV (any layout: a block's pieces are addressed) or one on a GPU
+        (through pinned staging), read in place, objects checked with crc32c (this store's kind, and every
+        object's a load reads)."""
+        return (self._native is not None and layout.device.type in ("cpu", "cuda") and not self._direct
                 and self._kind == codec.CRC32C and all(r.chunk.kind == codec.CRC32C for r in reads))  # fmt: skip
+
+    @staticmethod
+    def _staged(layout: KVLayout) -> bool:
+        """Whether the native path moves blocks through pinned staging: a KV the host cannot address (a GPU's)."""
+        return layout.device.type != "cpu"
 
     def _read_native(self, op: BlockLoad, layout: KVLayout, reads: list[_Read], covered: int) -> int:
         """Every located block read straight into its block of the KV and checked there, in one call on
         the native threads (``file_start``: blocks cut between them, each block's crc taken as it lands);
-        how many from the first arrived (a block that failed is handled as :meth:`_read_blocks` does)."""
-        running = self._start_move(layout, op.block_ids[:covered], self._runs(reads), write=False)
-        return self._check_read(reads, covered, *running.checked())
+        how many from the first arrived (a block that failed is handled as :meth:`_read_blocks` does). A KV
+        on a GPU is read into pinned staging that way, then copied up once and scattered on the device."""
+        if not self._staged(layout):
+            running = self._start_move(layout, op.block_ids[:covered], self._runs(reads), write=False)
+            return self._check_read(reads, covered, *running.checked())
+        with self._staging.lend(layout, covered) as staging:
+            running = self._start_move(layout, range(covered), self._runs(reads), write=False,
+                                       addressing=staged_addressing(staging))  # fmt: skip
+            good = self._check_read(reads, covered, *running.checked())
+            if good:  # only the blocks that passed
+                layout.scatter(op.block_ids[:good], staging[:, :good].to(layout.device))
+            return good
 
     @staticmethod
     def _runs(reads: Sequence[_Read]) -> list[tuple[int, int, int]]:
@@ -852,8 +870,12 @@ class FsStore(_Tree, StoreIO):
         payload = layout.num_layers * layout.block_bytes
         if self.options.capacity_bytes:
             self._make_room(sum(FORMAT.header_length(o.keys, layout.fingerprint) + len(o.keys) * payload for o in objects))
-        if self._native_crc(layout):
+        if self._native_crc(layout) and not self._staged(layout):
             self._save_objects(op, layout, objects, None)  # blocks move by address, not by view
+            return
+        if self._native_crc(layout):  # gathered into pinned staging, written from there by address
+            with self._staging.gathered(layout, op.block_ids) as staging:
+                self._save_objects(op, layout, objects, staged_addressing(staging))
             return
         blocks = self._blocks(layout)
         if blocks is not None:
@@ -908,8 +930,8 @@ class FsStore(_Tree, StoreIO):
             self._create(o, direct)
             ready.append(o)
         live = [o for o in ready if o.error is None]
-        if parts is None:  # the op's blocks in one native call; the chunks' first blocks below, read back
-            self._write_native(op, layout, live)
+        if parts is None or isinstance(parts, BlockAddressing):  # the op's blocks in one native call; the
+            self._write_native(op, layout, live, parts)  # chunks' first blocks below, read back
             work = [(o, j) for o in live for j in range(o.head)]
         else:  # block j of every object, then block j+1: threads taking the next one write different files
             # (writes to one file take its lock in turn)
@@ -931,7 +953,7 @@ class FsStore(_Tree, StoreIO):
                     o.sums[j] = o.source.chunk.checksums[j] if o.source.chunk.kind == self._kind else codec.checksum(self._kind, [data])
                     _write_at(o.fd, [data], off)
                     return
-                assert parts is not None  # the native path wrote the op's own blocks
+                assert callable(parts)  # the native path wrote the op's own blocks
                 src = parts(o.lo + j - o.head)
                 if direct:  # O_DIRECT writes from an aligned buffer
                     buf = self._buffer(payload)[:payload]
@@ -957,17 +979,21 @@ class FsStore(_Tree, StoreIO):
                 self._failed_write(o, o.error)
             self._publish(o, layout, direct)
 
-    def _write_native(self, op: BlockSave, layout: KVLayout, objects: list[_Object]) -> None:
+    def _write_native(
+        self, op: BlockSave, layout: KVLayout, objects: list[_Object], staged: BlockAddressing | None = None
+    ) -> None:
         """The op's blocks of ``objects`` written where each goes in its object's file, in one call on the
         native threads (``file_start``: each block's crc32c taken as it is written, the blocks cut between
-        the threads); an object whose blocks did not all land takes the error (a full disk: ``ENOSPC``)."""
+        the threads); an object whose blocks did not all land takes the error (a full disk: ``ENOSPC``).
+        From the KV, or from ``staged`` (a buffer holding the op's blocks in order)."""
         todo = [o for o in objects if o.hi > o.lo]
         if not todo:
             return
         payload = layout.num_layers * layout.block_bytes
-        ids = np.concatenate([np.asarray(op.block_ids[o.lo : o.hi]) for o in todo])
+        source = np.arange(len(op.block_ids)) if staged is not None else np.asarray(op.block_ids)
+        ids = np.concatenate([source[o.lo : o.hi] for o in todo])
         runs = [(o.fd, o.header + o.head * payload, o.hi - o.lo) for o in todo]
-        sums, whole, err = self._move_native(layout, ids, runs, write=True)
+        sums, whole, err = self._move_native(layout, ids, runs, write=True, addressing=staged)
         got = sums.tolist()
         at = 0
         for o in todo:
@@ -979,22 +1005,29 @@ class FsStore(_Tree, StoreIO):
             at += n
 
     def _move_native(
-        self, layout: KVLayout, block_ids: Sequence[int], runs: Sequence[tuple[int, int, int]], *, write: bool
+        self,
+        layout: KVLayout,
+        block_ids: Sequence[int],
+        runs: Sequence[tuple[int, int, int]],
+        *,
+        write: bool,
+        addressing: BlockAddressing | None = None,
     ) -> tuple[np.ndarray, int, int]:
         """:meth:`_start_move`, waited for: each block's crc32c (``uint32``), how many from the first moved
         whole, and the errno of a failure."""
-        sums, whole, err = self._start_move(layout, block_ids, runs, write=write).checked()
+        sums, whole, err = self._start_move(layout, block_ids, runs, write=write, addressing=addressing).checked()
         return np.frombuffer(sums, "<u4"), whole, err
 
     def _start_move(self, layout: KVLayout, block_ids: Sequence[int], runs: Sequence[tuple[int, int, int]], *,
-                    write: bool) -> Any:  # fmt: skip
+                    write: bool, addressing: BlockAddressing | None = None) -> Any:  # fmt: skip
         """``block_ids`` of the KV read from (or written to) ``runs`` of consecutive blocks in files, each
         ``(fd, offset of its first block, blocks)``, started in one ``file_start`` on the native threads
         (its ``checked()`` waits and gives each block's crc32c, how many moved whole, and an errno). A run
         holds its blocks' pieces back to back, in :meth:`~kvbridge.layout.BlockAddressing.by_block`'s order:
-        ``file_start`` places each piece in its file from that."""
+        ``file_start`` places each piece in its file from that. ``addressing``: where the blocks are, when
+        not in the KV (a staging buffer: :func:`~kvbridge.layout.staged_addressing`)."""
         assert self._native is not None
-        addresses, lengths = layout.addressing().by_block(block_ids)
+        addresses, lengths = (addressing or layout.addressing()).by_block(block_ids)
         parts = len(lengths) // len(block_ids)  # pieces of a block
         payload = layout.num_layers * layout.block_bytes
         return self._native.file_start(runs, addresses, lengths, parts, write=write, cut_bytes=2 * payload)

@@ -242,6 +242,16 @@ class BlockAddressing:
                                  f"{len(self.bases)} x {self.pieces}")
 
 
+def staged_addressing(staging: torch.Tensor) -> BlockAddressing:
+    """A staging buffer ``[num_layers, n, block_bytes]`` (host memory, contiguous) addressed as a KV of ``n``
+    blocks, block ``i`` being ``staging[:, i]``: one piece per layer, so its bytes come in the order a
+    stored copy holds them (:meth:`KVLayout.gather`'s), whatever the pieces of the KV it was gathered from."""
+    if staging.device.type != "cpu" or not staging.is_contiguous() or staging.dim() != 3:
+        raise LayoutError(f"staging must be a contiguous host [layers, n, block_bytes] buffer, got {tuple(staging.shape)}")
+    layers, _, block_bytes = staging.shape
+    return BlockAddressing(tuple(int(staging[i].data_ptr()) for i in range(layers)), block_bytes, ((0, block_bytes),))
+
+
 def _pieces(block: torch.Tensor) -> tuple[tuple[int, int], ...]:
     # Peel leading axes of one block until what is left is contiguous; each index over the peeled
     # axes is then one piece, in C order (the order index_select lays a block out in staging).
@@ -528,4 +538,4 @@ class KVLayout:
 
 
 __all__ = ["BLOCKS_FIRST", "KV_FIRST", "MLA", "BlockAddressing", "Cut", "KVLayout", "LayoutFingerprint", "block_words", "coalesce",
-           "reslice"]
+           "reslice", "staged_addressing"]

@@ -121,6 +121,8 @@ def test_bench_ops_picks_the_cases(tmp_path, capsys):
         (["--tokens", "many"], "integers"),
         (["--reps", "-1"], "positive"),
         (["--shapes", "9b"], "unknown shape"),
+        (["--device", "tpu"], "--device takes cpu or cuda[:N], got 'tpu'"),
+        (["--device", "cuda:99"], "--device cuda:99: "),  # none here, or not that many
     ],
 )
 def test_bench_bad_input_is_one_line_and_exit_2_before_measuring(argv, message, capsys):

@@ -881,3 +881,43 @@ def test_the_first_save_makes_every_folder_later_saves_make_none(tmp_path, monke
     finally:
         producer.close()
         consumer.close()
+
+
+@pytest.mark.skipif(not getattr(native.load()[0], "HAS_CRC32C", False), reason="kvbridge._ucp (crc32c) not here")
+@pytest.mark.parametrize("staged", ["producer", "consumer", "both"])
+@pytest.mark.parametrize("kv_format", ["blocks_first", "kv_first"])
+def test_a_kv_the_host_cannot_address_moves_through_staging(tmp_path, monkeypatch, staged, kv_format):
+    """A KV on a GPU is saved and loaded by the native path through a staging buffer (gathered, then
+    written by address; read by address, then scattered). Here the engines' KV is on the CPU and only the
+    decision is forced (``FsStore._staged``: CI has no GPU), for one side or both: objects written one way
+    read back the other way bit for bit, and a damaged block still fails from itself."""
+    layout = {} if kv_format == "blocks_first" else {"kv_format": "kv_first"}
+    opts = {"path": str(tmp_path)}
+    producer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="p", role="producer", seed=1, **layout)
+    consumer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="c", role="consumer", seed=2, **layout)
+    chosen = {id(e.layout) for e, side in ((producer, "producer"), (consumer, "consumer")) if staged in (side, "both")}
+    monkeypatch.setattr(FsStore, "_staged", staticmethod(lambda lay: id(lay) in chosen))
+    moves: list[bool] = []
+    start_move = FsStore._start_move
+
+    def spy(self, lay, block_ids, runs, *, write, addressing=None):  # type: ignore[no-untyped-def]
+        moves.append(addressing is not None)
+        return start_move(self, lay, block_ids, runs, write=write, addressing=addressing)
+
+    monkeypatch.setattr(FsStore, "_start_move", spy)
+    try:
+        tokens = _prompt(6, lambda c: c == [6], seed=7)  # one chunk
+        sent = producer.prefill("a", tokens)
+        assert moves == [staged != "consumer"], "the save went natively, through staging where chosen"
+        got = consumer.prefill("b", tokens)
+        assert moves[1:] == [staged != "producer"], "the load went natively, through staging where chosen"
+        assert got.failed_blocks == [] and got.loaded_tokens == 96
+        assert torch.equal(got.snapshot[:, :6], sent.snapshot[:, :6])
+        (victim,) = _objects(tmp_path)
+        _flip(victim, _block_offset(victim, 4) + 77)
+        bad = consumer.prefill("c", tokens)
+        assert bad.loaded_blocks == bad.block_ids[:4] and bad.failed_blocks == sorted(bad.block_ids[4:6])
+        assert torch.equal(bad.snapshot[:, :6], consumer.expected(bad.keys[:6])), "damaged bytes reached the KV"
+    finally:
+        producer.close()
+        consumer.close()

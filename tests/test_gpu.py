@@ -34,7 +34,8 @@ def test_layout_moves_cuda_blocks_bit_exact() -> None:
     assert staged.is_cuda and torch.equal(staged.cpu(), a.gather(ids))
     b.scatter(ids[::-1].copy(), staged)
     a.scatter(ids[::-1].copy(), a.gather(ids))
-    assert torch.equal(gpu.cpu(), cpu)
+    # bit patterns, not values: random bf16 words include NaNs, which never equal themselves
+    assert torch.equal(gpu.cpu().view(torch.int16), cpu.view(torch.int16))
 
 
 @pytest.mark.parametrize("name", ["memory", "cpu", "fs"])
@@ -51,6 +52,26 @@ def test_stores_with_a_cuda_kv_cache(name: str, tmp_path: Path) -> None:
     producer.close()
     if consumer is not producer:
         consumer.close()
+
+
+@pytest.mark.parametrize("max_runs", [0, 64], ids=["through-the-host", "dma-per-run"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["async", "layerwise"])
+def test_cpu_tier_reads_slot_runs_of_a_cuda_kv_cache(max_runs: int, layerwise: bool, monkeypatch) -> None:
+    """The cpu tier's GPU copies with slots in two runs (an evicted prompt's slots reused): a DMA per run
+    and layer, or the host path a fragmented pool takes (``_MAX_RUNS``), loaded back bit for bit."""
+    from kvbridge.connectors import cpu
+
+    monkeypatch.setattr(cpu, "_MAX_RUNS", max_runs)
+    slot = 4 * 2 * 16 * 2 * 16 * 2  # layers x heads x tokens x (K, V) x head_size x bf16
+    backend = kvbridge.create_backend("cpu", {"capacity_bytes": 8 * slot, "layerwise": layerwise})
+    engine = MiniEngine(backend, engine_id="p", device="cuda", num_blocks=32)
+    a, b = list(range(16 * 6 + 1)), list(range(1000, 1000 + 16 * 6 + 1))
+    engine.prefill("a", a)
+    engine.prefill("b", b)  # slots 6, 7, then 0..3 (a's, evicted): two runs
+    got = engine.prefill("b2", b)
+    assert got.loaded_tokens == 96 and got.failed_blocks == []
+    assert torch.equal(got.snapshot[:, :6], engine.expected(got.keys[:6]))
+    engine.close()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
@@ -90,10 +111,15 @@ def test_native_get_from_gpu_memory_of_another_process() -> None:
         lengths = np.full(n, size, dtype=np.uint64)
         import time
 
-        t0 = time.perf_counter()
-        moved = ep.get(remote, dest, lengths, key, 30.0)
-        dt = time.perf_counter() - t0
-        print(f"\nGET of {n} x 64 KiB from another process's GPU memory: {moved / dt / 1e9:.2f} GB/s\n{ep.info()}")
+        rates = []
+        for _ in range(3):  # the first GET maps the peer's memory (cuda_ipc), the others find it mapped
+            local.zero_()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            moved = ep.get(remote, dest, lengths, key, 30.0)
+            rates.append(moved / (time.perf_counter() - t0) / 1e9)
+        print(f"\nGET of {n} x 64 KiB from another process's GPU memory, GB/s: first {rates[0]:.2f}, "
+              f"then {rates[1]:.2f}, {rates[2]:.2f}\n{ep.info()}")
         words = size // 8
         want = np.concatenate([(np.arange(int(o) * words, (int(o) + 1) * words, dtype=np.uint64)
                                 * np.uint64(0x9E3779B97F4A7C15)) for o in order])

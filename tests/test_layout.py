@@ -5,7 +5,16 @@ import pytest
 import torch
 
 from kvbridge.errors import LayoutError, LayoutMismatch
-from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, MLA, KVLayout, LayoutFingerprint, block_words, coalesce
+from kvbridge.layout import (
+    BLOCKS_FIRST,
+    KV_FIRST,
+    MLA,
+    KVLayout,
+    LayoutFingerprint,
+    block_words,
+    coalesce,
+    staged_addressing,
+)
 from kvbridge.staging import StagingPool
 
 
@@ -330,3 +339,29 @@ def test_staging_pool_on_the_kv_device():
     layout = _small_layout()
     buf = StagingPool(where="kv").take(layout, 2)
     assert buf.device == layout.device and tuple(buf.shape) == (2, 2, layout.block_bytes)
+
+
+@pytest.mark.parametrize("kv_format", [BLOCKS_FIRST, KV_FIRST])
+def test_staged_addressing_holds_a_block_as_the_kv_does(kv_format):
+    """A KV on a GPU is stored through a gathered staging buffer: read block by block through
+    ``staged_addressing`` it must give the bytes ``by_block`` reads from the KV itself (K and V apart
+    in kv_first), or objects written from one could not be read into the other."""
+    import ctypes
+
+    if kv_format == BLOCKS_FIRST:
+        layout = KVLayout.from_tensors(vllm_cache())
+    else:
+        base = torch.randint(-(2**15), 2**15, (2, 2, 30, 16, 4, 8), dtype=torch.int16).view(torch.float16)
+        layout = KVLayout.from_tensors({f"l{i}": base[i] for i in range(2)}, block_size=16)
+    assert layout.fingerprint.kv_format == kv_format
+    ids = [29, 3, 4, 17]
+    staging = layout.gather(ids)
+
+    def read(addresses: np.ndarray, lengths: np.ndarray) -> bytes:
+        return b"".join(ctypes.string_at(int(a), int(n)) for a, n in zip(addresses, lengths))
+
+    want = read(*layout.addressing().by_block(ids))
+    assert read(*staged_addressing(staging).by_block(range(len(ids)))) == want
+    assert read(*staged_addressing(staging).by_block([2])) == read(*layout.addressing().by_block([4]))
+    with pytest.raises(LayoutError, match="contiguous host"):
+        staged_addressing(staging[:, ::2])
