@@ -1,8 +1,9 @@
 """``cpu`` — a bounded host-memory offload tier for one engine (prefix caching beyond device memory).
 
 The worker side allocates, once, at :meth:`CpuPool.attach`, a pool of ``capacity_bytes //
-slot_bytes`` fixed-size *slots* — a uint8 tensor ``[num_layers, num_slots, block_bytes]``, pinned
-when the KV lives on a GPU — where one slot holds one block in every layer. The pool never grows.
+slot_bytes`` fixed-size *slots* — uint8 ``[num_slots, num_layers, block_bytes]``, pinned when the KV
+lives on a GPU, handled as its ``[num_layers, num_slots, block_bytes]`` view — where one slot holds one
+block in every layer, in one stretch of memory (a run of slots is one stretch too). It never grows.
 
 The *index* (key -> slot, recency order, pins) lives on the scheduler side (:class:`CpuIndex`), which
 has no KV tensors but must answer :meth:`~kvbridge.store.StoreIndex.contains_prefix`. It assigns
@@ -39,13 +40,14 @@ Semantics:
   between the two threads; saves write the pool with streaming stores (the pool is not read soon:
   no read-for-ownership of its lines), loads from 32 MiB too. Where something is queued on the IO
   thread, or the KV is on a GPU, the IO thread moves it, in plan order.
-- With a KV on a GPU the pool is pinned and every copy is a DMA of a whole run of consecutive slots
-  per layer, on the store's own streams (loads and saves each have one, so neither waits for the
-  forward pass queued after it): a save gathers its blocks on the device (one kernel per layer) and
-  copies each run down; a load copies each run up and scatters on the device. Slots come in runs
-  (free slots are handed out 0, 1, 2, ...; LRU evicts old runs together), so a request costs layers x
-  runs copies; a pool so fragmented that a request spans more than :data:`_MAX_RUNS` runs goes
-  through one ``index_select``/``index_copy_`` on the host instead.
+- With a KV on a GPU the pool is pinned and every copy is one DMA per run of consecutive slots, on the
+  store's own streams (loads and saves each have one, so neither waits for the forward pass queued
+  after it): a save gathers its blocks on the device into the pool's order (slot-major), then copies
+  each run down; a load copies each run up, then scatters on the device. Slots come in runs (free
+  slots are handed out 0, 1, 2, ...; LRU evicts old runs together), so a request costs a few copies;
+  a pool so fragmented that a request spans more than :data:`_MAX_RUNS` runs goes through one
+  ``index_select``/``index_copy_`` on the host instead. A layerwise load on a GPU copies every layer
+  up at its first layer (a layer of a slot run is not one stretch), then scatters layer by layer.
 """
 
 from __future__ import annotations
@@ -264,9 +266,10 @@ class CpuPool(StoreIO):
             raise LayoutError(f"cpu: KV blocks are {slot_bytes} bytes over all layers, the engine declared {declared}")
         num_slots = _num_slots(self.options.capacity_bytes, slot_bytes)
         pin = layout.device.type == "cuda"  # pinned memory only pays (and only works) beside a GPU
-        self.pool = torch.empty((layout.num_layers, num_slots, layout.block_bytes), dtype=torch.uint8, pin_memory=pin)
+        slots = torch.empty((num_slots, layout.num_layers, layout.block_bytes), dtype=torch.uint8, pin_memory=pin)
         if not pin:  # fault every page in now, once: a first touch during a save costs more than the copy
-            self.pool.zero_()
+            slots.zero_()
+        self.pool = slots.permute(1, 0, 2)  # [layers, slots, block_bytes]; _slot_major gives the storage back
         self._tags = [None] * num_slots
         if pin:
             self._stream = torch.cuda.Stream(layout.device)
@@ -305,14 +308,19 @@ class CpuPool(StoreIO):
         slots, n = self._valid(op)
         ids, runs = layout.check_ids(op.block_ids[:n]), coalesce(op.block_ids[:n])
         slot_runs, at = coalesce(slots[:n]), torch.as_tensor(slots[:n])
+        up: list[torch.Tensor] = []  # a KV on a GPU: every layer of the slots, on the device (layer 0 copies them)
 
         def copy(layer: int) -> None:
             if not n:
                 return
             if layout.device.type != "cpu" and len(slot_runs) <= _MAX_RUNS:
-                src = _runs_up(pool[layer], slot_runs, layout.device)
-            elif len(slot_runs) == 1:
-                src = pool[layer, slot_runs[0][0] : slot_runs[0][0] + n]
+                if not up:
+                    up.append(_runs_up(_slot_major(pool), slot_runs, layout.device))
+                layout.scatter_layer(layer, ids, up[0][:, layer].contiguous(), runs)
+                _sync(layout)
+                return
+            if len(slot_runs) == 1:  # the layer's rows of a slot run lie a slot apart: made one stretch
+                src = pool[layer, slot_runs[0][0] : slot_runs[0][0] + n].contiguous()
             else:
                 src = pool[layer].index_select(0, at)
             if layout.device.type != "cpu":
@@ -426,15 +434,15 @@ class CpuPool(StoreIO):
             self._tags[slot] = key
 
     def _dma_out(self, pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], layout: KVLayout) -> None:
-        """A KV on a GPU into slots: gathered on the device, then one DMA per layer and run of slots."""
+        """A KV on a GPU into slots: gathered on the device in the pool's order, then one DMA per run of slots."""
         stream = self._save_stream
         stream.wait_stream(torch.cuda.current_stream(layout.device))  # the forward pass that wrote the blocks
+        storage = _slot_major(pool)
         with torch.cuda.stream(stream):
-            staged = layout.gather(block_ids)  # [layers, n, block_bytes] on the device
+            rows = layout.gather(block_ids).transpose(0, 1).contiguous()  # [n, layers, block_bytes] on the device
             at = 0
             for start, n in coalesce(slots):
-                for layer in range(layout.num_layers):
-                    pool[layer, start : start + n].copy_(staged[layer, at : at + n], non_blocking=True)
+                storage[start : start + n].copy_(rows[at : at + n], non_blocking=True)
                 at += n
             stream.synchronize()  # the pool holds the bytes before the slots are tagged
 
@@ -445,13 +453,7 @@ class CpuPool(StoreIO):
             staging, at = layout.gather(block_ids), torch.as_tensor(slots)
             for layer, (_, slab) in enumerate(self._words):
                 slab.index_copy_(0, at, _int32_rows(staging[layer]))
-        elif len(slot_runs) == 1 and layout.device.type == "cpu":  # gather straight into the pool: one copy
-            ids = layout.check_ids(block_ids)
-            runs = coalesce(block_ids)
-            start, n = slot_runs[0]
-            for layer in range(layout.num_layers):
-                layout.gather_layer(layer, ids, pool[layer, start : start + n], runs)
-        elif len(slot_runs) == 1:  # one device-to-host copy into consecutive slots
+        elif len(slot_runs) == 1:  # consecutive slots
             start, n = slot_runs[0]
             pool[:, start : start + n].copy_(layout.gather(block_ids))
         else:
@@ -461,12 +463,17 @@ class CpuPool(StoreIO):
         self.pool = None
 
 
+def _slot_major(pool: torch.Tensor) -> torch.Tensor:
+    """The pool's storage, ``[slots, layers, block_bytes]`` (contiguous: a run of slots is one stretch)."""
+    return pool.permute(1, 0, 2)
+
+
 def _slot_addressing(pool: torch.Tensor, kv: BlockAddressing) -> BlockAddressing:
     """Where each slot of ``pool`` (``[layers, slots, block_bytes]``) keeps a block: per layer, the KV
     block's pieces one after another, in the order :meth:`KVLayout.gather` yields them."""
     lengths = [n for _, n in kv.pieces]
     offsets = np.cumsum([0, *lengths[:-1]]).tolist()
-    return BlockAddressing(tuple(int(pool[i].data_ptr()) for i in range(pool.shape[0])), pool.shape[2],
+    return BlockAddressing(tuple(int(pool[i].data_ptr()) for i in range(pool.shape[0])), pool.stride(1),
                            tuple(zip(offsets, lengths)))
 
 
@@ -478,13 +485,13 @@ def _int32_rows(blocks: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def _runs_up(pool_layer: torch.Tensor, slot_runs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
-    """One layer's slots (runs of a pinned ``[slots, block_bytes]``), on the device in slot order: a DMA per
-    run, on the current stream."""
-    out = torch.empty((sum(n for _, n in slot_runs), pool_layer.shape[1]), dtype=torch.uint8, device=device)
+def _runs_up(storage: torch.Tensor, slot_runs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """Slots (runs of the pinned ``[slots, layers, block_bytes]`` storage) on the device, in slot order: a
+    DMA per run, on the current stream."""
+    out = torch.empty((sum(n for _, n in slot_runs), *storage.shape[1:]), dtype=torch.uint8, device=device)
     at = 0
     for start, n in slot_runs:
-        out[at : at + n].copy_(pool_layer[start : start + n], non_blocking=True)
+        out[at : at + n].copy_(storage[start : start + n], non_blocking=True)
         at += n
     return out
 
@@ -493,9 +500,8 @@ def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], lay
     ids = layout.check_ids(block_ids)
     slot_runs = coalesce(slots)
     if layout.device.type != "cpu" and pool.is_pinned() and len(slot_runs) <= _MAX_RUNS:
-        runs = coalesce(block_ids)
-        for layer in range(layout.num_layers):  # up run by run, then one scatter kernel on the device
-            layout.scatter_layer(layer, ids, _runs_up(pool[layer], slot_runs, layout.device), runs)
+        up = _runs_up(_slot_major(pool), slot_runs, layout.device)  # up run by run, then scattered on the device
+        layout.scatter(ids, up.transpose(0, 1).contiguous())
         _sync(layout)
         return
     if len(slot_runs) == 1:  # consecutive slots: each layer's source is one contiguous slice
@@ -505,8 +511,8 @@ def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], lay
     if layout.device.type != "cpu":
         src = src.to(layout.device, non_blocking=pool.is_pinned())
     runs = coalesce(block_ids)
-    for layer in range(layout.num_layers):
-        layout.scatter_layer(layer, ids, src[layer], runs)
+    for layer in range(layout.num_layers):  # (a slot run's rows of a layer lie a slot apart: made one stretch)
+        layout.scatter_layer(layer, ids, src[layer].contiguous(), runs)
     _sync(layout)
 
 
@@ -515,8 +521,9 @@ def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], lay
 _STREAM_LOAD_BYTES = 32 << 20
 
 # A KV on a GPU: a request whose slots fall in more runs than this goes through the host (index_select or
-# index_copy_, then one copy), not a DMA per run and layer (each costs ~5-10 us to issue from Python).
-_MAX_RUNS = 16
+# index_copy_, then one copy), not a DMA per run (each costs ~5-10 us to issue from Python; a request of
+# 1024 tokens has 64 blocks, so it always takes the DMAs).
+_MAX_RUNS = 64
 
 
 def _sync(layout: KVLayout) -> None:

@@ -365,3 +365,39 @@ def test_staged_addressing_holds_a_block_as_the_kv_does(kv_format):
     assert read(*staged_addressing(staging).by_block([2])) == read(*layout.addressing().by_block([4]))
     with pytest.raises(LayoutError, match="contiguous host"):
         staged_addressing(staging[:, ::2])
+
+
+@pytest.mark.parametrize("arrangement", ["layers-after-layers", "interleaved", "gaps", "apart"])
+def test_all_layers_move_in_one_op_where_they_are_one_allocation(arrangement):
+    """On a GPU a gather or scatter of every layer is one kernel over a ``[layers, blocks, words]`` view
+    (``_layers_as_one``), where the layers lie at equal steps in one allocation; it must move exactly what
+    the per-layer copies move, and be refused where layers are not so placed. Forced on here (CPU)."""
+    from kvbridge.layout import _layers_as_one
+
+    if arrangement == "interleaved":  # [B, L, ...]: each layer's blocks have gaps, filled by the other layers
+        base = torch.empty(30, 3, 2, 16, 16, dtype=torch.bfloat16)
+        layers = [base[:, i] for i in range(3)]
+    elif arrangement == "gaps":  # one allocation, a layer's worth of padding between layers
+        base = torch.empty(6, 30, 2, 16, 16, dtype=torch.bfloat16)
+        layers = [base[2 * i] for i in range(3)]
+    elif arrangement == "apart":  # three allocations
+        base = torch.empty(3, 30, 2, 16, 16, dtype=torch.bfloat16)
+        layers = [base[i].clone() for i in range(3)]
+    else:
+        base = torch.empty(3, 30, 2, 16, 16, dtype=torch.bfloat16)
+        layers = [base[i] for i in range(3)]
+    for t in layers:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
+    one, per_layer = KVLayout.from_tensors(layers), KVLayout.from_tensors([t.clone() for t in layers])
+    one._all = _layers_as_one(one._rows)
+    if arrangement == "apart":
+        assert one._all is None
+        return
+    assert one._all is not None
+    ids, dst = [4, 9, 10, 11, 2], [0, 1, 2, 3, 29]
+    staging = one.gather(ids)
+    assert torch.equal(staging, per_layer.gather(ids))
+    one.scatter(dst, staging)
+    per_layer.scatter(dst, staging)
+    for a, b in zip(one.layers, per_layer.layers):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
