@@ -501,7 +501,7 @@ def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], lay
     slot_runs = coalesce(slots)
     if layout.device.type != "cpu" and pool.is_pinned() and len(slot_runs) <= _MAX_RUNS:
         up = _runs_up(_slot_major(pool), slot_runs, layout.device)  # up run by run, then scattered on the device
-        layout.scatter(ids, up.transpose(0, 1).contiguous())
+        layout.scatter(block_ids, up.transpose(0, 1).contiguous())
         _sync(layout)
         return
     if len(slot_runs) == 1:  # consecutive slots: each layer's source is one contiguous slice

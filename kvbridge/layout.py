@@ -460,6 +460,8 @@ class KVLayout:
 
     def check_range(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
         """Block ids as an int64 array, checked like :meth:`check_ids` (numpy: a few us, no device tensor)."""
+        if isinstance(block_ids, torch.Tensor):  # ids already on the KV's device (check_ids)
+            block_ids = block_ids.cpu()
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
             raise LayoutError(f"block ids outside [0, {self.num_blocks}): min={int(ids.min())} max={int(ids.max())}")
