@@ -108,7 +108,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from kvbridge.connectors.fs import chunk_blocks, chunk_end
+from kvbridge.connectors.fs import chunk_blocks, chunk_end, chunk_ends
 
 from kvbridge import codec, native
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
@@ -512,9 +512,8 @@ class LMCacheIndex(_Handle, StoreIndex):
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         with self._session() as m:  # (LMCache answers a failed remote as a miss)
-            n, total = 0, len(keys)
-            while n < total:
-                end = chunk_end(keys, n, self.chunk)
+            n = 0
+            for end in chunk_ends(keys, self.chunk):  # n is where this chunk starts
                 if m.sm.contains(self.lmcache_key(keys[end])) is not None:  # the object ending the chunk is there
                     n = end + 1
                     continue
@@ -587,11 +586,12 @@ class LMCacheStore(_Handle, StoreIO):
         """The objects a save of ``keys`` writes, as ``[a, b)`` ranges: cut where a block ends a chunk, every
         :attr:`max_blocks` blocks, and at the end."""
         out = []
-        a, n = 0, len(keys)
-        while a < n:
-            b = min(chunk_end(keys, a, self.chunk) + 1, a + self.max_blocks)
-            out.append((a, b))
-            a = b
+        a = 0
+        for end in chunk_ends(keys, self.chunk):
+            while a <= end:  # a chunk longer than max_blocks is cut into several objects
+                b = min(end + 1, a + self.max_blocks)
+                out.append((a, b))
+                a = b
         return out
 
     # -- saves ---------------------------------------------------------------------------------------

@@ -921,3 +921,18 @@ def test_a_kv_the_host_cannot_address_moves_through_staging(tmp_path, monkeypatc
     finally:
         producer.close()
         consumer.close()
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 16, 64])
+def test_chunk_ends_cut_where_chunk_end_does(chunk):
+    """``chunk_ends`` (every chunk at once, the lookup's and the save's cut) agrees with ``chunk_end`` walked
+    key by key, whatever the keys and the chunk size; the last key always ends a chunk."""
+    rng = np.random.default_rng(chunk)
+    for n in (0, 1, 2, 17, 200):
+        keys = [rng.bytes(16) for _ in range(n)]
+        walked, i = [], 0
+        while i < n:
+            walked.append(fs.chunk_end(keys, i, chunk))
+            i = walked[-1] + 1
+        assert fs.chunk_ends(keys, chunk) == walked
+        assert sum(fs.chunk_lengths(keys, chunk)) == n and all(x > 0 for x in fs.chunk_lengths(keys, chunk))
