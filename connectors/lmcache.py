@@ -94,6 +94,7 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.util
+import itertools
 import logging
 import math
 import os
@@ -680,6 +681,9 @@ class LMCacheStore(_Handle, StoreIO):
         local = [name for name in m.sm.storage_backends if name != _REMOTE]
         for a, b in pieces:
             obj_key = lkeys[b - 1]
+            if m.where.keys().isdisjoint(lkeys[a:b]):  # the common case, blocks no object held: one update in C
+                m.where.update(zip(lkeys[a:b], zip(itertools.repeat(obj_key), itertools.repeat(b - a), range(b - a))))
+                continue
             for pos in range(b - a):
                 held = m.where.get(lkeys[a + pos])
                 if held is not None and held[0] != obj_key and local and m.sm.contains(held[0], search_range=local) is not None:
