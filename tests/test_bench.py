@@ -216,3 +216,22 @@ def test_report_names_every_baseline_marks_doubtful_ratios_and_sums_up():
     assert "2.50?" in text and "0.50" in text and "ran slow in this run" in text
     assert "memcpy  one torch copy" in legend(records) and "file    one sequential write" in legend(records)
     assert "load         8 MiB: fastest cpu at 5.00 GB/s, 2.50x its strictest baseline" in summary(records)
+
+
+def test_a_gpu_point_takes_the_pcie_baseline_and_says_where_it_ran():
+    """``--device cuda`` (checked without a GPU): host-memory baselines become ``pcie``, the others stay, each once;
+    the point's label and the table's shape column name the device; a peer's transfer is refused with a reason."""
+    from kvbridge.bench.cases import BENCH, Measurer
+    from kvbridge.bench.core import Timing, make_record
+    from kvbridge.bench.report import legend, table
+
+    assert BENCH["cpu"].chosen(False, "cuda") == ("pcie",)
+    assert BENCH["cpu"].chosen(False) == ("memcpy", "memcpy:nt")
+    assert BENCH["fs"].chosen(False, "cuda:1") == ("file",)
+    point = Point(SHAPES["8b"], 64, device="cuda")
+    assert point.label().endswith(" on cuda") and not Point(SHAPES["8b"], 64).label().endswith("cuda")
+    record = make_record("cpu", "load", point, Timing((0.001,)), "pcie", Timing((0.0002,)))
+    assert record.device == "cuda" and record.ratio == pytest.approx(0.2)
+    assert "8b@cuda" in table([record]) and "pcie  a KV cache on a GPU" in legend([record])
+    rows = Measurer(1, ops=["transfer"])._point("ucx", BENCH["ucx"], point)
+    assert rows and all(r.median_s is None and "from host memory" in r.note for r in rows)
