@@ -313,7 +313,7 @@ class CpuPool(StoreIO):
         def copy(layer: int) -> None:
             if not n:
                 return
-            if layout.device.type != "cpu" and len(slot_runs) <= _MAX_RUNS:
+            if _dma(pool, slot_runs):
                 if not up:
                     up.append(_runs_up(_slot_major(pool), slot_runs, layout.device))
                 layout.scatter_layer(layer, ids, up[0][:, layer].contiguous(), runs)
@@ -425,25 +425,23 @@ class CpuPool(StoreIO):
             self._tags[slot] = None
         if self._native is not None:  # one call, GIL released
             self._native_save(slots, op.block_ids, layout).result()
-        elif self._save_stream is not None and len(coalesce(slots)) <= _MAX_RUNS:
-            self._dma_out(pool, slots, op.block_ids, layout)
+        elif _dma(pool, slot_runs := coalesce(slots)):
+            self._dma_out(pool, slot_runs, op.block_ids, layout)
         else:
             self._copy_out(pool, slots, op.block_ids, layout)
         _sync(layout)
         for slot, key in zip(slots, op.keys):
             self._tags[slot] = key
 
-    def _dma_out(self, pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], layout: KVLayout) -> None:
+    def _dma_out(
+        self, pool: torch.Tensor, slot_runs: list[tuple[int, int]], block_ids: Sequence[int], layout: KVLayout
+    ) -> None:
         """A KV on a GPU into slots: gathered on the device in the pool's order, then one DMA per run of slots."""
         stream = self._save_stream
         stream.wait_stream(torch.cuda.current_stream(layout.device))  # the forward pass that wrote the blocks
-        storage = _slot_major(pool)
         with torch.cuda.stream(stream):
             rows = layout.gather(block_ids).transpose(0, 1).contiguous()  # [n, layers, block_bytes] on the device
-            at = 0
-            for start, n in coalesce(slots):
-                storage[start : start + n].copy_(rows[at : at + n], non_blocking=True)
-                at += n
+            _runs_down(rows, _slot_major(pool), slot_runs)
             stream.synchronize()  # the pool holds the bytes before the slots are tagged
 
     def _copy_out(self, pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], layout: KVLayout) -> None:
@@ -485,6 +483,20 @@ def _int32_rows(blocks: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def _dma(pool: torch.Tensor, slot_runs: list[tuple[int, int]]) -> bool:
+    """Whether slots move by a DMA per run: a pinned pool (the KV is on a GPU), not too fragmented."""
+    return pool.is_pinned() and len(slot_runs) <= _MAX_RUNS
+
+
+def _runs_down(rows: torch.Tensor, storage: torch.Tensor, slot_runs: list[tuple[int, int]]) -> None:
+    """``rows`` (``[n, layers, block_bytes]`` on the device, in slot order) into the pinned storage's slot runs:
+    a DMA per run, on the current stream (:func:`_runs_up`'s other way)."""
+    at = 0
+    for start, n in slot_runs:
+        storage[start : start + n].copy_(rows[at : at + n], non_blocking=True)
+        at += n
+
+
 def _runs_up(storage: torch.Tensor, slot_runs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """Slots (runs of the pinned ``[slots, layers, block_bytes]`` storage) on the device, in slot order: a
     DMA per run, on the current stream."""
@@ -499,7 +511,7 @@ def _runs_up(storage: torch.Tensor, slot_runs: list[tuple[int, int]], device: to
 def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], layout: KVLayout) -> None:
     ids = layout.check_ids(block_ids)
     slot_runs = coalesce(slots)
-    if layout.device.type != "cpu" and pool.is_pinned() and len(slot_runs) <= _MAX_RUNS:
+    if _dma(pool, slot_runs):
         up = _runs_up(_slot_major(pool), slot_runs, layout.device)  # up run by run, then scattered on the device
         layout.scatter(block_ids, up.transpose(0, 1).contiguous())
         _sync(layout)

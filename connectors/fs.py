@@ -875,11 +875,11 @@ class FsStore(_Tree, StoreIO):
         payload = layout.num_layers * layout.block_bytes
         if self.options.capacity_bytes:
             self._make_room(sum(FORMAT.header_length(o.keys, layout.fingerprint) + len(o.keys) * payload for o in objects))
-        if self._native_crc(layout) and not self._staged(layout):
-            self._save_objects(op, layout, objects, None)  # blocks move by address, not by view
-            return
-        if self._native_crc(layout):  # gathered into pinned staging, written from there by address
-            with self._staging.gathered(layout, op.block_ids) as staging:
+        if self._native_crc(layout):  # blocks move by address, not by view
+            if not self._staged(layout):
+                self._save_objects(op, layout, objects, None)
+                return
+            with self._staging.gathered(layout, op.block_ids) as staging:  # from pinned staging, by address
                 self._save_objects(op, layout, objects, staged_addressing(staging))
             return
         blocks = self._blocks(layout)

@@ -459,8 +459,9 @@ class KVLayout:
         return torch.as_tensor(self.check_range(block_ids), device=self.device)
 
     def check_range(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
-        """Block ids as an int64 array, checked like :meth:`check_ids` (numpy: a few us, no device tensor)."""
-        if isinstance(block_ids, torch.Tensor):  # ids already on the KV's device (check_ids)
+        """Block ids as an int64 array, checked like :meth:`check_ids` (numpy: a few us; a tensor of ids on a
+        device is copied to the host first, which waits for that device)."""
+        if isinstance(block_ids, torch.Tensor):
             block_ids = block_ids.cpu()
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
