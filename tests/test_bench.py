@@ -235,3 +235,36 @@ def test_a_gpu_point_takes_the_pcie_baseline_and_says_where_it_ran():
     assert "8b@cuda" in table([record]) and "pcie  a KV cache on a GPU" in legend([record])
     rows = Measurer(1, ops=["transfer"])._point("ucx", BENCH["ucx"], point)
     assert rows and all(r.median_s is None and "from host memory" in r.note for r in rows)
+
+
+def test_llc_bytes_reads_the_largest_cache_sysfs_reports(tmp_path):
+    from kvbridge.bench import cold
+
+    for i, size in enumerate(["32K", "1024K", "32768K", "junk"]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    assert cold.llc_bytes(tmp_path) == 32 << 20
+    assert cold.llc_bytes(tmp_path / "absent") == 32 << 20  # nothing reported: the fallback
+
+
+def test_every_timed_transfer_starts_with_the_caches_evicted_and_the_scheduler_warm(monkeypatch):
+    """time_reps evicts before each timed call (warm-up included), and only there: never inside the timed
+    call, never when ``cold`` is false; a store's save and load cases are cold, the scheduler's cases warm."""
+    from kvbridge.bench import cases, core
+
+    events: list[str] = []
+    monkeypatch.setattr(core, "evict", lambda: events.append("evict"))
+    core.time_reps(lambda s: events.append(f"run{s}"), 2, setup=lambda i: events.append(f"setup{i}") or i)
+    assert events == ["setup0", "evict", "run0", "setup1", "evict", "run1", "setup2", "evict", "run2"]
+    events.clear()
+    core.time_reps(lambda s: events.append("run"), 2, cold=False)
+    assert events == ["run"] * 3
+    point = Point(SHAPES["tiny"], 64)
+    assert not cases.sched_floor_case(point).cold
+    with opened("memory", point) as (target, _tmp):
+        pair = Pair(target, point)
+        try:
+            assert cases.save_case(pair).cold and cases.load_case(pair, peer=False).cold
+            assert not cases.load_case(pair, peer=False, timed="plan").cold
+        finally:
+            pair.close()

@@ -198,6 +198,7 @@ _UCXX_SCRIPT = r"""
 import asyncio, json, sys, time
 import numpy as np
 import ucxx
+from kvbridge.bench.cold import evict
 n, reps = int(sys.argv[1]), int(sys.argv[2])
 async def main():
     ucxx.init(progress_mode="thread")
@@ -213,6 +214,7 @@ async def main():
     ep = await ucxx.create_endpoint("127.0.0.1", lf.port)
     times = []
     for i in range(reps + 1):
+        evict()
         t0 = time.perf_counter()
         await ep.send(np.zeros(1, dtype=np.uint8), tag=1)
         await ep.recv(dst, tag=2)

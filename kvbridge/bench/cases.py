@@ -228,14 +228,17 @@ def _check_failed(failed: frozenset[int]) -> None:
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One timed operation: ``setup(i)`` (untimed) gives a state, ``run(state)`` is timed,
-    ``teardown(state)`` (untimed) finishes the requests. pytest-benchmark drives the same three."""
+    ``teardown(state)`` (untimed) finishes the requests. pytest-benchmark drives the same three.
+    ``cold``: the CPU's caches are evicted before each run (a transfer's bytes; the scheduler's
+    bookkeeping is timed warm, as its figures always were)."""
 
     setup: Callable[[int], Any]
     run: Callable[[Any], object]
     teardown: Callable[[Any], object]
+    cold: bool = True
 
     def time(self, reps: int) -> Timing:
-        return time_reps(self.run, reps, setup=self.setup, teardown=self.teardown)
+        return time_reps(self.run, reps, setup=self.setup, teardown=self.teardown, cold=self.cold)
 
 
 def save_case(pair: Pair, tag: str = "save", seed: int = 1000) -> Case:
@@ -347,7 +350,7 @@ def load_case(pair: Pair, *, peer: bool, timed: str = "load", fresh: bool = Fals
         if peer:
             settle(prod, s["preqs"], s["dec"])
 
-    return Case(setup, schedule if timed == "plan" else pull, teardown)
+    return Case(setup, schedule if timed == "plan" else pull, teardown, cold=timed != "plan")
 
 
 def sched_floor_case(point: Point) -> Case:
@@ -362,7 +365,7 @@ def sched_floor_case(point: Point) -> Case:
             _ = len(index.keys() & ks)
             BlockLoad(f"r{i}", ids, ks)
 
-    return Case(lambda i: None, step, lambda s: None)
+    return Case(lambda i: None, step, lambda s: None, cold=False)
 
 
 def sched_floor(point: Point, reps: int) -> Timing:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from kvbridge.bench.cold import evict
 from kvbridge.contract import Backend, FinishDecision, RequestInfo, Role, ScheduledRequest, StepPlan
 from kvbridge.errors import TransferTimeout
 from kvbridge.keys import block_keys
@@ -102,14 +103,19 @@ def time_reps(
     warmup: int = 1,
     setup: Callable[[int], Any] | None = None,
     teardown: Callable[[Any], object] | None = None,
+    cold: bool = True,
 ) -> Timing:
     """Call ``fn(setup(i))`` ``warmup + reps`` times, timing only ``fn``; the samples of the last ``reps``.
 
-    ``setup`` (plans, fresh keys) and ``teardown(state)`` (finishing requests, releases) run untimed.
+    ``setup`` (plans, fresh keys) and ``teardown(state)`` (finishing requests, releases) run untimed, and
+    so does the eviction of the CPU's caches before each call (:mod:`kvbridge.bench.cold`) unless ``cold``
+    is false.
     """
     out = []
     for i in range(warmup + reps):
         state = setup(i) if setup else None
+        if cold:
+            evict()
         t0 = time.perf_counter()
         fn(state)
         dt = time.perf_counter() - t0

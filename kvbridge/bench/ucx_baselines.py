@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from kvbridge.bench.baselines import BASELINES, Unavailable
+from kvbridge.bench.cold import evict
 from kvbridge.bench.core import SHAPES, Point, Timing, request_blocks
 
 BLOCK_BYTES = 32 * 8 * 16 * 2 * 128 * 2  # one block of every layer: 2 MiB
@@ -136,6 +137,7 @@ def two_processes(point: Point, reps: int, progress_mode: str = "thread") -> Tim
                     consumer.scheduler.on_allocated(req, ids, consumer.scheduler.lookup(req, 0).num_tokens)
                 plan = consumer.scheduler.plan_step([])
                 waiting, failed = {r.request_id for r in reqs}, set()
+                evict()
                 t0 = time.perf_counter()
                 consumer.worker.start_step(plan)
                 consumer.worker.finish_step()
@@ -205,6 +207,7 @@ def ucxx_worker_address(nbytes: int, op: str = "transfer", env: Mapping[str, Any
 
         samples = []
         for i in range(reps + 1):
+            evict()
             t0 = time.perf_counter()
             rt.call(pull(), 120)
             if i:
