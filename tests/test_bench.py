@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import statistics
 
 import pytest
@@ -268,3 +269,30 @@ def test_every_timed_transfer_starts_with_the_caches_evicted_and_the_scheduler_w
             assert not cases.load_case(pair, peer=False, timed="plan").cold
         finally:
             pair.close()
+
+
+def test_warm_turns_eviction_off_here_and_in_children(monkeypatch):
+    """``--warm`` (the env var children inherit) makes evict() do nothing; without it the scratch buffer is
+    read and rewritten (its bytes change), and it is at least twice the largest cache."""
+    from kvbridge.bench import cold
+
+    monkeypatch.delenv(cold.WARM_ENV, raising=False)
+    cold.evict()
+    assert cold._scratch is not None and cold._scratch.nbytes >= min(2 * cold.llc_bytes(), 1 << 30)
+    before = int(cold._scratch[0])
+    cold.evict()
+    assert int(cold._scratch[0]) == (before + 1) % 256
+    monkeypatch.setenv(cold.WARM_ENV, "1")
+    cold.evict()
+    assert int(cold._scratch[0]) == (before + 1) % 256, "warm: nothing evicted"
+
+
+def test_bench_warm_option_reaches_the_eviction(monkeypatch, capsys):
+    from kvbridge.bench import cold
+
+    monkeypatch.setenv(cold.WARM_ENV, "")  # restored after the test: --warm sets it for the whole process
+    argv = ["bench", "--backends", "memory", "--shapes", "8b", "--tokens", "64", "--ops", "load", "--reps", "1",
+            "--no-recompute", "--no-save"]  # fmt: skip
+    assert main(argv) == 0 and not os.environ[cold.WARM_ENV]
+    assert main([*argv, "--warm"]) == 0 and os.environ[cold.WARM_ENV] == "1"
+    assert "memory" in capsys.readouterr().out

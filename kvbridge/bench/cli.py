@@ -22,6 +22,7 @@ from typing import TextIO
 import torch
 
 from kvbridge.bench.cases import OPS, Measurer, Progress, bench_names, count_cases
+from kvbridge.bench.cold import WARM_ENV
 from kvbridge.bench.core import SHAPES, Point, Record
 from kvbridge.bench.recompute import compare, measure_prefill
 from kvbridge.bench.report import ProgressBar, legend, plot, recompute_table, stall_table, summary, table
@@ -102,6 +103,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="where the KV cache lives: cpu (default), or cuda / cuda:N (stores then go through pinned staging)")
     parser.add_argument("--prefill-tps", type=float, default=10_000.0,
                         help="prefill throughput (tokens/s) of the real model, for transfer vs recompute (default 10000)")  # fmt: skip
+    parser.add_argument("--warm", action="store_true",
+                        help="time back to back, the CPU's caches as the last call left them (default: evicted before "
+                             "every timed call, as a forward pass leaves them; see kvbridge.bench.cold)")
     parser.add_argument("--no-recompute", action="store_true", help="skip the transfer vs recompute section")
     parser.add_argument("--json", metavar="PATH", type=_output,
                         help="where every record goes, as a JSON list (the input of `kvbridge simulate --from-bench`); "
@@ -208,6 +212,8 @@ def _count_lines(path: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.warm:
+        os.environ[WARM_ENV] = "1"  # this process's evict() and the children's
     records = measure(args)
     shapes = ", ".join(f"{s.name} = {s.bytes_per_token >> 10} KiB/token" for s in SHAPES.values() if s.name != "tiny")
     print(f"kvbridge bench ({shapes}; ratio = ours/baseline in throughput: 1.00 = as fast as the raw medium)\n")
