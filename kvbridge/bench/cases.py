@@ -418,6 +418,13 @@ def count_cases(names: Sequence[str], points: Sequence[Point], ops: Sequence[str
     return sum(_planned(n, points, ops) for n in names)
 
 
+# Small requests repeat more: every case of a point moves about as many bytes as ``reps`` repetitions of 128 MiB
+# (at most 16x the repetitions), so an 8 MiB median rests on 16x the samples at about the same cost. One 8 MiB
+# sample is over in ~1 ms, and on a shared VM the median of three swung a ratio by 2x from run to run.
+REPS_BYTES = 128 << 20
+MAX_REPS_SCALE = 16
+
+
 class Measurer:
     """Runs the cases of each backend; baselines are measured once per size, op and medium in this run."""
 
@@ -431,6 +438,13 @@ class Measurer:
         self.ops = tuple(ops)
         self._base: dict[tuple[Any, ...], Timing | str] = {}
 
+    def reps_for(self, point: Point) -> int:
+        """The repetitions of ``point``'s cases and baselines: :attr:`reps`, times 128 MiB over the point's bytes (1
+        to :data:`MAX_REPS_SCALE`); ``--quick`` keeps :attr:`reps`."""
+        if self.quick:
+            return self.reps
+        return self.reps * max(1, min(MAX_REPS_SCALE, REPS_BYTES // max(1, point.nbytes)))
+
     def baseline(self, name: str, point: Point, op: str, env: Mapping[str, Any]) -> Timing | str:
         """The baseline's timing, or why it could not be measured. A point-aware one (a peer reading the
         same request, :data:`kvbridge.bench.peers.POINT_BASELINES`) is measured per point."""
@@ -439,7 +453,8 @@ class Measurer:
         key = (name, size, op, tuple(sorted(env.items())) if name == "file" else ())
         if key not in self._base:
             try:
-                self._base[key] = per_point(point, self.reps) if per_point else BASELINES[name](point.nbytes, op, env, self.reps)
+                reps = self.reps_for(point)
+                self._base[key] = per_point(point, reps) if per_point else BASELINES[name](point.nbytes, op, env, reps)
             except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not raised
                 self._base[key] = f"baseline {name} not measured: {exc}"
         return self._base[key]
@@ -572,16 +587,17 @@ class Measurer:
         """A peer's ``transfer`` row timed by ``transfer(point, reps)`` in processes of its own."""
         self.progress.step(f"{name} transfer {point.label()} (producer in a child process)")
         try:
-            ours: Timing | None = transfer(point, self.reps)
+            ours: Timing | None = transfer(point, self.reps_for(point))
             note = ""
         except Exception as exc:  # noqa: BLE001 - one failing case is a row, not a crash
             ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
         return self._records(name, "transfer", point, ours, spec.chosen(self.quick), {}, note)
 
     def _time(self, op: str, pair: Pair, peer: bool, fresh: bool = False) -> Timing | StallTiming:
+        reps = self.reps_for(pair.point)
         if op == "save_stall":
-            return time_save_stall(pair, self.reps)
-        return (save_case(pair) if op == "save" else load_case(pair, peer=peer, fresh=fresh)).time(self.reps)
+            return time_save_stall(pair, reps)
+        return (save_case(pair) if op == "save" else load_case(pair, peer=peer, fresh=fresh)).time(reps)
 
     def _sched(self, name: str, point: Point) -> list[Record]:
         try:
@@ -620,7 +636,7 @@ class Measurer:
                 records += [r for row, bases in rows.items() for r in _not_measured(row, "-", point, bases, why)]
                 continue
             try:
-                got, note = peer.run(point, self.reps), ""
+                got, note = peer.run(point, self.reps_for(point)), ""
             except Exception as exc:  # noqa: BLE001
                 got, note = None, f"not measured: {type(exc).__name__}: {exc}"
             timings = got if isinstance(got, Mapping) else {(name, "transfer"): got} if got is not None else {}

@@ -97,7 +97,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ids", type=_names, help="block id pattern: contiguous, scattered (comma-separated)")
     parser.add_argument("--requests", type=_ints, help="concurrent requests per step, comma-separated")
     parser.add_argument("--ops", type=_names, help=f"comma-separated of {list(OPS)} (default: all)")
-    parser.add_argument("--reps", type=_positive_int, help="timed repetitions per case (default 3; --quick 2)")
+    parser.add_argument("--reps", type=_positive_int, help="timed repetitions per case of 128 MiB or more (default 3; --quick 2); a smaller "
+                             "request repeats more, to move about as many bytes (up to 16x; not with --quick)")
     parser.add_argument("--quick", action="store_true", help="a small matrix in seconds")
     parser.add_argument("--device", type=_device, default="cpu",
                         help="where the KV cache lives: cpu (default), or cuda / cuda:N (stores then go through pinned staging)")
