@@ -778,15 +778,14 @@ class FsStore(_Tree, StoreIO):
     def _check_read(self, reads: list[_Read], covered: int, sums: bytes, whole: int, err: int) -> int:
         """How many blocks from the first of a native read arrived whole with the sums their objects hold
         (``checked()``'s figures); the object of the first that did not is rejected or logged."""
-        got = np.frombuffer(sums, "<u4")
+        got = np.frombuffer(sums, "<u4")[:whole]
         want = np.concatenate([np.asarray(r.chunk.checksums[r.first : r.first + r.count], np.uint32) for r in reads])
-        bad = np.flatnonzero(got[:whole] != want[:whole])
-        good = int(bad[0]) if bad.size else whole
+        good = codec.leading_matches(got, want[:whole])
         if good < covered:
             r = next(r for r in reads if r.at <= good < r.at + r.count)
             pos = r.first + good - r.at
-            if bad.size:
-                self._reject(r.path, r.fd, Corrupted(f"checksum mismatch in block {pos} of {len(r.chunk.keys)}", damaged=True))
+            if good < whole:  # a block arrived whole, and wrong
+                self._reject(r.path, r.fd, r.chunk.mismatch(pos))
             elif err:
                 log.warning("fs store: reading %s failed (%s)", r.path, os.strerror(err))
             else:

@@ -833,15 +833,13 @@ class LMCacheStore(_Handle, StoreIO):
         if host is None and chunk.kind == codec.CRC32C:  # copied into the KV, each block checked where it landed
             landed = self._native_copy(layout, ids[i : i + count], body.data_ptr(), into_object=False, checked=True)
         if landed is not None:  # (a block that failed is in the request's own KV, which recomputes it)
-            wrong = np.flatnonzero(landed != np.asarray(chunk.checksums[pos : pos + count], np.uint32))
-            good = int(wrong[0]) if wrong.size else count
+            good = chunk.matching(pos, landed)
         else:  # each block checked before it is copied, all in one call
             good = chunk.first_bad(pos, arr[chunk.offset(pos) : chunk.offset(pos + count)].reshape(count, chunk.payload))
             if good:
                 self._scatter(layout, ids[i : i + good], body[:good], None if host is None else host[:, i : i + good])
         if good < count:
-            damage = Corrupted(f"checksum mismatch in block {pos + good} of {len(chunk.keys)}", damaged=True)
-            self._reject(m, want.key, want.tier, damage)
+            self._reject(m, want.key, want.tier, chunk.mismatch(pos + good))
         return good, good == count
 
     def _scatter(self, layout: KVLayout, ids: np.ndarray, body: torch.Tensor, host: torch.Tensor | None) -> None:

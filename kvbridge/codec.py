@@ -215,6 +215,12 @@ def block_checksums(kind: int, blocks: np.ndarray) -> np.ndarray:
     return np.asarray([checksum(kind, [row]) for row in blocks], dtype=np.uint32)
 
 
+def leading_matches(got: Any, want: Any) -> int:
+    """How many of the checksums ``got`` equal ``want``'s, from the first: where a read's blocks stop counting."""
+    bad = np.flatnonzero(np.asarray(got, np.uint32) != np.asarray(want, np.uint32))
+    return int(bad[0]) if bad.size else len(got)
+
+
 def key_digest(key: bytes) -> bytes:
     """The 16 bytes that stand for ``key`` in a header without room for it."""
     return hashlib.blake2b(key, digest_size=16).digest()
@@ -350,13 +356,21 @@ class Chunk:
     def verify(self, i: int, parts: Sequence[Any]) -> None:
         """Raise :class:`Corrupted` (damaged) unless ``parts`` (block ``i``'s payload, in order) match its checksum."""
         if checksum(self.kind, parts) != self.checksums[i]:
-            raise Corrupted(f"checksum mismatch in block {i} of {len(self.keys)}", damaged=True)
+            raise self.mismatch(i)
+
+    def mismatch(self, i: int) -> Corrupted:
+        """The error of block ``i`` whose bytes do not match its checksum (every reader says it this way)."""
+        return Corrupted(f"checksum mismatch in block {i} of {len(self.keys)}", damaged=True)
+
+    def matching(self, i: int, sums: Any) -> int:
+        """How many of ``sums`` (the checksums of blocks ``i, i+1, ...`` as read, uint32) equal the object's, from
+        the first (``len(sums)``: all of them)."""
+        return leading_matches(sums, self.checksums[i : i + len(sums)])
 
     def first_bad(self, i: int, blocks: np.ndarray) -> int:
         """How many of ``blocks`` (contiguous ``[n, payload]``: blocks ``i..i+n-1`` of this object) match
         their checksums, from the first (``n``: all of them)."""
-        bad = np.flatnonzero(block_checksums(self.kind, blocks) != np.asarray(self.checksums[i : i + len(blocks)], dtype=np.uint32))
-        return int(bad[0]) if bad.size else len(blocks)
+        return self.matching(i, block_checksums(self.kind, blocks))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,5 +493,6 @@ __all__ = [
     "default_checksum",
     "have_crc32c",
     "key_digest",
+    "leading_matches",
     "require_checksum",
 ]

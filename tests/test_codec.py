@@ -446,3 +446,12 @@ def test_block_checksums_are_each_blocks_checksum(kind):
     assert sums.tolist() == [codec.checksum(kind, [row]) for row in blocks]
     blocks[3, 1234] ^= 0x10
     assert codec.block_checksums(kind, blocks)[3] != sums[3]
+
+
+def test_leading_matches_counts_the_checksums_that_agree_from_the_first():
+    from kvbridge.codec import leading_matches
+
+    assert leading_matches([1, 2, 3], [1, 2, 3]) == 3
+    assert leading_matches([1, 9, 3], [1, 2, 3]) == 1  # a later match after a mismatch does not count
+    assert leading_matches([7], [1]) == 0
+    assert leading_matches([], []) == 0
