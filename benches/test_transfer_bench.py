@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -28,7 +27,6 @@ from kvbridge.bench.cases import (
     save_stall_case,
     sched_floor_case,
 )
-from kvbridge.bench.cold import evict
 from kvbridge.bench.core import SHAPES, Point, Timing, gbps
 
 POINTS = {"8b-256tok": Point(SHAPES["8b"], 256), "8b-64tok-x4": Point(SHAPES["8b"], 64, requests=4)}
@@ -51,16 +49,10 @@ def _pair(name: str, point: Point) -> Iterator[tuple[Pair, bool, dict]]:
 def _run(benchmark, case: Case, point: Point) -> float:
     counter = iter(range(10**9))
 
-    def setup() -> tuple[tuple[Any], dict[str, Any]]:
-        state = case.setup(next(counter))
-        if case.cold:  # as Case.time does: the CPU's caches evicted, untimed
-            evict()
-        return (state,), {}
-
     benchmark.extra_info.update(bytes=point.nbytes, blocks=point.blocks, tokens=point.tokens, requests=point.requests)
     benchmark.pedantic(
         case.run,
-        setup=setup,
+        setup=lambda: ((case.prepare(next(counter)),), {}),
         teardown=case.teardown,
         rounds=ROUNDS,
         warmup_rounds=1,

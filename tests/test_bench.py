@@ -262,6 +262,14 @@ def test_every_timed_transfer_starts_with_the_caches_evicted_and_the_scheduler_w
     assert events == ["run"] * 3
     point = Point(SHAPES["tiny"], 64)
     assert not cases.sched_floor_case(point).cold
+    monkeypatch.setattr(cases, "evict", lambda: events.append("evict"))
+    events.clear()
+    timed = cases.Case(lambda i: events.append(f"setup{i}"), lambda s: events.append("run"), lambda s: None)
+    timed.time(1)
+    assert events == ["setup0", "evict", "run", "setup1", "evict", "run"], "Case.time: one eviction per run"
+    events.clear()
+    cases.sched_floor_case(point).time(1)
+    assert "evict" not in events
     with opened("memory", point) as (target, _tmp):
         pair = Pair(target, point)
         try:

@@ -34,6 +34,7 @@ from kvbridge import registry
 from kvbridge.bench import lmcache_native as _lmcache_native
 from kvbridge.bench import ucx_baselines as _ucx_baselines  # noqa: F401 - registers the "ucxx-wa" baseline
 from kvbridge.bench.baselines import BASELINES, ON_DEVICE, Unavailable
+from kvbridge.bench.cold import evict
 from kvbridge.bench.core import (
     SHAPES,
     KVPool,
@@ -237,8 +238,16 @@ class Case:
     teardown: Callable[[Any], object]
     cold: bool = True
 
+    def prepare(self, i: int) -> Any:
+        """Untimed, before the ``i``-th run: its state (``setup``), then the caches evicted if ``cold`` (the one
+        place that rule lives: :meth:`time` and pytest-benchmark's setup both call this)."""
+        state = self.setup(i)
+        if self.cold:
+            evict()
+        return state
+
     def time(self, reps: int) -> Timing:
-        return time_reps(self.run, reps, setup=self.setup, teardown=self.teardown, cold=self.cold)
+        return time_reps(self.run, reps, setup=self.prepare, teardown=self.teardown, cold=False)
 
 
 def save_case(pair: Pair, tag: str = "save", seed: int = 1000) -> Case:
