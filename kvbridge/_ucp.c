@@ -492,7 +492,25 @@ static int cma_enqueue(CmaReadObject *r) {
     return 0;
 }
 
-/* Wait (GIL released) until `r` is over or `timeout_s` passed (< 0: no limit).  Returns done. */
+/* A piece of `r` still queued, taken off the queue (the lock held), or NULL. */
+static cma_piece *cma_take(CmaReadObject *r) {
+    cma_piece *prev = NULL;
+    for (cma_piece *p = cma_queue.head; p; prev = p, p = p->next) {
+        if (p->read != r) continue;
+        if (prev) prev->next = p->next;
+        else cma_queue.head = p->next;
+        if (cma_queue.tail == p) cma_queue.tail = prev;
+        cma_queue.busy++;
+        return p;
+    }
+    return NULL;
+}
+
+/* Wait (GIL released) until `r` is over or `timeout_s` passed (< 0: no limit; 0: only look).  Returns
+ * done.  A waiter first runs the pieces of `r` no thread has taken yet itself: it is on a core already,
+ * and a sleeping thread may not be (on this 2-core VM an 8 MiB read and check measured 0.57-0.70 of a
+ * plain file read when the waiter slept, 0.83-0.88 when it took the second piece).  So a wait may pass
+ * `timeout_s` by one piece's copy. */
 static int cma_wait_done(CmaReadObject *r, double timeout_s) {
     struct timespec until; /* the conditions' clock is the default one, CLOCK_REALTIME */
     clock_gettime(CLOCK_REALTIME, &until);
@@ -505,6 +523,13 @@ static int cma_wait_done(CmaReadObject *r, double timeout_s) {
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&cma_queue.lock);
     while (!cma_over(r)) {
+        cma_piece *p = timeout_s != 0 && r->gen == cma_queue.gen ? cma_take(r) : NULL;
+        if (p) {
+            pthread_mutex_unlock(&cma_queue.lock);
+            cma_run(p);
+            pthread_mutex_lock(&cma_queue.lock);
+            continue;
+        }
         if (timeout_s < 0) pthread_cond_wait(&cma_queue.over, &cma_queue.lock);
         else if (pthread_cond_timedwait(&cma_queue.over, &cma_queue.lock, &until) == ETIMEDOUT) break;
     }
@@ -606,7 +631,8 @@ static PyObject *py_cma_drain(PyObject *mod, PyObject *arg) {
     return PyBool_FromLong(idle);
 }
 
-/* wait(timeout_s=None) -> True once the read is over; False if timeout_s passed first. */
+/* wait(timeout_s=None) -> True once the read is over; False if timeout_s passed first.  The caller runs the
+ * read's pieces no thread has started yet itself (cma_wait_done), except with timeout_s 0: a look. */
 static PyObject *cma_wait(CmaReadObject *r, PyObject *args) {
     PyObject *timeout = Py_None;
     if (!PyArg_ParseTuple(args, "|O", &timeout)) return NULL;

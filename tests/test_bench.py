@@ -295,12 +295,21 @@ def test_warm_turns_eviction_off_here_and_in_children(monkeypatch):
     assert int(cold._scratch[0]) == (before + 1) % 256, "warm: nothing evicted"
 
 
-def test_bench_warm_option_reaches_the_eviction(monkeypatch, capsys):
+def test_bench_warm_option_reaches_the_eviction(monkeypatch, capsys, tmp_path):
+    """``--warm`` reaches the eviction, and each record says how it was timed: a load cold unless
+    ``--warm``, the scheduler's step always warm."""
     from kvbridge.bench import cold
 
     monkeypatch.setenv(cold.WARM_ENV, "")  # restored after the test: --warm sets it for the whole process
-    argv = ["bench", "--backends", "memory", "--shapes", "8b", "--tokens", "64", "--ops", "load", "--reps", "1",
-            "--no-recompute", "--no-save"]  # fmt: skip
+    out = tmp_path / "b.json"
+    argv = ["bench", "--backends", "memory", "--shapes", "8b", "--tokens", "64", "--ops", "load,sched_step",
+            "--reps", "1", "--no-recompute", "--json", str(out)]  # fmt: skip
+
+    def timed_cold() -> dict[str, bool]:
+        return {r["op"]: r["cold"] for r in json.loads(out.read_text())}
+
     assert main(argv) == 0 and not os.environ[cold.WARM_ENV]
+    assert timed_cold() == {"load": True, "sched_step": False}
     assert main([*argv, "--warm"]) == 0 and os.environ[cold.WARM_ENV] == "1"
+    assert timed_cold() == {"load": False, "sched_step": False}
     assert "memory" in capsys.readouterr().out

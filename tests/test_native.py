@@ -451,6 +451,26 @@ def test_cma_start_wait_times_out_then_completes(peer: Peer) -> None:
     assert np.array_equal(local[::4099], expected(np.arange(0, PUT_AREA // 8, 4099, dtype=np.uint64), 1)[:, 0])
 
 
+def test_a_waiter_runs_the_pieces_no_thread_has_taken() -> None:
+    """A read queued behind others that keep both native threads busy is run by the thread that waits for
+    it, at once: it is over, bit-exact, while the two before it are still copying (they would have had to
+    end first for a native thread to take it). A zero wait only looks."""
+    big = 512 * MiB  # each of the two long reads is one piece (under cut_bytes), ~0.1 s of copying into new pages
+    src = np.empty(big, np.uint8)
+    sinks = [np.empty(big, np.uint8) for _ in range(2)]
+    longs = [ucp.cma_start(0, np.uint64(src.ctypes.data) + np.zeros(1, np.uint64), np.uint64(d.ctypes.data)
+                           + np.zeros(1, np.uint64), big, cut_bytes=1 << 62) for d in sinks]  # fmt: skip
+    small_src = np.random.default_rng(3).integers(0, 256, 64 * 1024, dtype=np.uint8)
+    small_dst = np.zeros_like(small_src)
+    one = np.zeros(1, np.uint64)
+    r = ucp.cma_start(0, one + np.uint64(small_src.ctypes.data), one + np.uint64(small_dst.ctypes.data), small_src.size)
+    assert r.wait(0.0) is False  # a look: nothing taken, nothing run (both threads are on the long reads)
+    assert r.wait(30.0) and r.result() == (small_src.size, 0)
+    assert np.array_equal(small_dst, small_src)
+    assert not any(x.done() for x in longs)  # run by this thread, not after one of them
+    assert all(x.result() == (big, 0) for x in longs)
+
+
 def test_get_tcp_scattered_bit_exact(peer: Peer, tcp: Any) -> None:
     block, n = 4096, 512
     ids = scattered(n, block, PUT_AREA // block, seed=2)

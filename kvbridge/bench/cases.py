@@ -622,7 +622,8 @@ class Measurer:
             ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
         base = sched_floor(point, self.reps) if ours else None
         return [
-            make_record(name, "sched_step", point, ours, "dict", base, note=note, per=point.requests, moves_bytes=False)
+            make_record(name, "sched_step", point, ours, "dict", base, note=note, per=point.requests, moves_bytes=False,
+                        warm=True)
         ]
 
     def _external(self, name: str, points: Sequence[Point]) -> list[Record]:

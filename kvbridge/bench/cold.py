@@ -38,12 +38,17 @@ def llc_bytes(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
     return max(sizes, default=_FALLBACK_BYTES)
 
 
+def evicting() -> bool:
+    """Whether :func:`evict` evicts in this process (not under ``--warm``): what a record's ``cold`` says."""
+    return not os.environ.get(WARM_ENV)
+
+
 def evict() -> None:
     """Push every line of the CPU's caches out to memory: read and rewrite a buffer of twice the largest cache
     (64 MiB to 1 GiB), allocated once. ``+=`` reads each line before writing it back, unlike ``fill``, whose
     large stores may bypass the cache and leave it as it was."""
     global _scratch
-    if os.environ.get(WARM_ENV):
+    if not evicting():
         return
     if _scratch is None:
         _scratch = np.zeros(min(max(2 * llc_bytes(), 64 << 20), 1 << 30), np.uint8)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kvbridge.bench.cold import evict
+from kvbridge.bench.cold import evict, evicting
 from kvbridge.contract import Backend, FinishDecision, RequestInfo, Role, ScheduledRequest, StepPlan
 from kvbridge.errors import TransferTimeout
 from kvbridge.keys import block_keys
@@ -159,6 +159,7 @@ class Record:
     device: str = "cpu"  # where the KV cache was (Point.device)
     save_s: float | None = None  # save_stall: median of the save's own time (the worker's save_seconds per step)
     stall_frac: float | None = None  # save_stall: median over steps of stall / the save's own time
+    cold: bool = True  # every timed call began with the CPU's caches evicted (False: --warm, and sched_step rows)
 
     @property
     def measured(self) -> bool:
@@ -184,8 +185,10 @@ def make_record(
     note: str = "",
     per: int = 1,
     moves_bytes: bool = True,
+    warm: bool = False,
 ) -> Record:
-    """A record of ``ours`` beside ``base`` at ``point``; times are divided by ``per`` (per-request figures)."""
+    """A record of ``ours`` beside ``base`` at ``point``; times are divided by ``per`` (per-request figures).
+    ``warm``: the case is timed warm whatever the run (``sched_step``); else ``cold`` is the run's."""
     med = ours.median / per if ours else None
     base_med = base.median / per if base else None
     return Record(
@@ -208,6 +211,7 @@ def make_record(
         reps=len(ours.samples) if ours else 0,
         note=note,
         device=point.device,
+        cold=evicting() and not warm,
     )
 
 

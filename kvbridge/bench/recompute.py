@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kvbridge.bench.baselines import memcpy
+from kvbridge.bench.cold import evicting
 from kvbridge.bench.core import SHAPES, Point, Record, Shape, gbps
 
 
@@ -169,7 +170,7 @@ def _record(backend: str, point: Point, transfer_s: float, baseline: str, recomp
         backend=backend, op="recompute", shape=point.shape.name, tokens=point.tokens, bytes=point.nbytes,
         blocks=point.blocks, median_s=transfer_s, p99_s=None, gbps=gbps(point.nbytes, transfer_s), baseline=baseline,
         baseline_s=recompute_s, baseline_gbps=gbps(point.nbytes, recompute_s), ratio=recompute_s / transfer_s,
-        block_size=point.block_size, ids=point.ids, requests=1, reps=0, note=note,
+        block_size=point.block_size, ids=point.ids, requests=1, reps=0, note=note, cold=evicting(),
     )  # fmt: skip
 
 
