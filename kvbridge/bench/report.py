@@ -228,7 +228,7 @@ def plot(records: Sequence[Record], path: str) -> str | None:
         import matplotlib.ticker
     except ImportError:
         return "plot skipped: matplotlib is not installed; pip install 'kvbridge[bench]'"
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+    fig, ax = plt.subplots(figsize=(12, 7))
     series: dict[str, list[tuple[int, float]]] = {}
     bases: dict[str, list[tuple[int, float]]] = {}
     for r in records:
@@ -242,10 +242,17 @@ def plot(records: Sequence[Record], path: str) -> str | None:
             series.setdefault(f"{r.backend} {r.op}", []).append((r.bytes, r.gbps))
             if r.baseline_gbps:
                 bases.setdefault(f"{r.baseline} ({r.op})", []).append((r.bytes, r.baseline_gbps))
-    colors = matplotlib.color_sequences["tab20"]  # one colour per backend and op: ucx and memory never share one
-    for i, (label, pts) in enumerate(sorted(series.items())):
+    # one hue per backend, its loads and transfers in the dark shade with circles, its saves in the light one with
+    # squares: tab20's pairs but its grey (the baselines' colour), then tab20b's; 13 backends before a hue repeats
+    tab20, tab20b = matplotlib.color_sequences["tab20"], matplotlib.color_sequences["tab20b"]
+    pairs = [tab20[i : i + 2] for i in range(0, 20, 2) if i != 14] + [tab20b[i : i + 2] for i in range(0, 20, 8)]
+    backends = sorted({label.rsplit(" ", 1)[0] for label in series})
+    for label, pts in sorted(series.items()):
+        backend, op = label.rsplit(" ", 1)
         xs, ys = zip(*sorted(set(pts)))
-        ax.plot([x / (1 << 20) for x in xs], ys, marker="o", color=colors[(2 * i) % 20], label=label)
+        save = op == "save"
+        color = pairs[backends.index(backend) % len(pairs)][save]
+        ax.plot([x / (1 << 20) for x in xs], ys, marker="s" if save else "o", color=color, label=label)
     styles = [("--", "."), (":", "x"), ("-.", "+"), ((0, (5, 1)), "^"), ((0, (1, 3)), "v"), ((0, (3, 1, 1, 1)), "s")]
     for i, (label, pts) in enumerate(sorted(bases.items())):  # each baseline its own line style and marker, in grey
         xs, ys = zip(*sorted(set(pts)))
@@ -258,7 +265,7 @@ def plot(records: Sequence[Record], path: str) -> str | None:
     ax.set_ylabel("GB/s")
     ax.set_title("kvbridge transfer cost beside its baselines (same run)")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines, not over them
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
