@@ -313,3 +313,30 @@ def test_bench_warm_option_reaches_the_eviction(monkeypatch, capsys, tmp_path):
     assert main([*argv, "--warm"]) == 0 and os.environ[cold.WARM_ENV] == "1"
     assert timed_cold() == {"load": False, "sched_step": False}
     assert "memory" in capsys.readouterr().out
+
+
+def test_plot_gives_every_backend_its_own_colour(tmp_path, monkeypatch):
+    """The plot of twelve backends: a PNG, and no two backends' load lines share a colour (the default
+    10-colour cycle gave ``fs load`` and ``memory load`` one), none in the baselines' grey."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kvbridge.bench.core import Timing, make_record
+    from kvbridge.bench.report import plot
+
+    records = [
+        make_record(f"b{i:02d}", op, Point(SHAPES["8b"], tokens), Timing((0.001 * (i + 1),)), "memcpy", Timing((0.001,)))
+        for i in range(12)
+        for op in ("load", "save")
+        for tokens in (64, 256)
+    ]
+    drawn: dict[str, object] = {}
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (drawn.update({l.get_label(): l.get_color() for l in fig.axes[0].lines}), real_close(fig)))
+    path = tmp_path / "bench.png"
+    assert plot(records, str(path)) is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loads = [drawn[f"b{i:02d} load"] for i in range(12)]
+    assert len({str(c) for c in loads}) == 12, loads
+    assert all(str(c) != str(drawn["b00 save"]) for c in loads)  # a backend's saves: its light shade, not its load's
+    assert "0.45" not in {str(c) for c in loads}
