@@ -332,7 +332,12 @@ def test_plot_gives_every_backend_its_own_colour(tmp_path, monkeypatch):
     ]
     drawn: dict[str, object] = {}
     real_close = plt.close
-    monkeypatch.setattr(plt, "close", lambda fig: (drawn.update({l.get_label(): l.get_color() for l in fig.axes[0].lines}), real_close(fig)))
+
+    def close(fig: object) -> None:  # what was drawn, read before the figure goes
+        drawn.update({line.get_label(): line.get_color() for line in fig.axes[0].lines})  # type: ignore[attr-defined]
+        real_close(fig)
+
+    monkeypatch.setattr(plt, "close", close)
     path = tmp_path / "bench.png"
     assert plot(records, str(path)) is None
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
