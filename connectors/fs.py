@@ -696,12 +696,11 @@ class FsStore(_Tree, StoreIO):
                 while first + count < len(chunk.keys) and i + count < len(keys) and chunk.keys[first + count] == keys[i + count]:
                     count += 1
                 reads.append(_Read(path, fd, chunk, first, count, i))
-                end = chunk.offset(first + count)
-                if i and not self._direct and not _cached(fd, end - 1):
+                if i and not self._direct and not _cached(fd, chunk.offset(first + count) - 1):
                     # start the kernel's read-ahead of the objects after the first (whose read starts at
                     # once), so reads from the medium overlap. Not for an object in the page cache: there
                     # the advice only walks its pages, 0.1 ms of the engine's thread per 32 MiB here
-                    os.posix_fadvise(fd, chunk.offset(first), end - chunk.offset(first), os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(fd, chunk.offset(first), count * chunk.payload, os.POSIX_FADV_WILLNEED)
                 i += count
         except BaseException:
             for r in reads:

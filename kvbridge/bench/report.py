@@ -243,7 +243,7 @@ def plot(records: Sequence[Record], path: str) -> str | None:
             if r.baseline_gbps:
                 bases.setdefault(f"{r.baseline} ({r.op})", []).append((r.bytes, r.baseline_gbps))
     # one hue per backend, its loads and transfers in the dark shade with circles, its saves in the light one with
-    # squares: tab20's pairs but its grey (the baselines' colour), then tab20b's; 13 backends before a hue repeats
+    # squares: tab20's pairs but its grey (the baselines' colour), then three of tab20b's; 12 hues before one repeats
     tab20, tab20b = matplotlib.color_sequences["tab20"], matplotlib.color_sequences["tab20b"]
     pairs = [tab20[i : i + 2] for i in range(0, 20, 2) if i != 14] + [tab20b[i : i + 2] for i in range(0, 20, 8)]
     backends = sorted({label.rsplit(" ", 1)[0] for label in series})
