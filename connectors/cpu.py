@@ -39,7 +39,8 @@ Semantics:
   then; a load of such a slot planned earlier waits for its save first). Copies from 8 MiB are cut
   between the two threads; saves write the pool with streaming stores (the pool is not read soon:
   no read-for-ownership of its lines), loads from 32 MiB too. Where something is queued on the IO
-  thread, or the KV is on a GPU, the IO thread moves it, in plan order.
+  thread, or the KV is on a GPU, the IO thread moves it, in plan order (a save there, as a chain's
+  promotion, copies on the IO thread itself: background work leaves the native threads to loads).
 - With a KV on a GPU the pool is pinned and every copy is one DMA per run of consecutive slots, on the
   store's own streams (loads and saves each have one, so neither waits for the forward pass queued
   after it): a save gathers its blocks on the device into the pool's order (slot-major), then copies
@@ -407,14 +408,18 @@ class CpuPool(StoreIO):
         for slot, key in zip(slots, keys):
             self._tags[slot] = key
 
-    def _native_save(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> Any:
-        """Blocks into slots, started on the native threads, with streaming stores: the pool is not read
-        soon, so its lines need not be read into the cache first."""
+    def _save_args(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> tuple[Any, tuple[Any, ...]]:
+        """The native module, and its copy's arguments (pid 0, sources, destinations, lengths): blocks into slots."""
         assert self._native is not None
         mod, kv, pool_at = self._native
         blocks = layout.check_range(block_ids)
-        return mod.cma_start(0, kv.addresses(blocks), pool_at.addresses(np.asarray(slots)), kv.lengths(len(blocks)),
-                             streaming=True)
+        return mod, (0, kv.addresses(blocks), pool_at.addresses(np.asarray(slots)), kv.lengths(len(blocks)))
+
+    def _native_save(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> Any:
+        """Blocks into slots, started on the native threads, with streaming stores: the pool is not read
+        soon, so its lines need not be read into the cache first."""
+        mod, args = self._save_args(slots, block_ids, layout)
+        return mod.cma_start(*args, streaming=True)
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         pool = self._pool()
@@ -423,8 +428,13 @@ class CpuPool(StoreIO):
             return
         for slot in slots:  # invalid until the copy is complete
             self._tags[slot] = None
-        if self._native is not None:  # one call, GIL released
-            self._native_save(slots, op.block_ids, layout).result()
+        if self._native is not None:
+            # one call, GIL released, on this (the IO) thread: a save here is background work nobody waits
+            # on (a chain's promotion, a save queued behind other work). Cut between the native threads it
+            # took both cores of two, and the engine's thread, still handling the load it follows, learnt
+            # of that load ~1.5 ms later at 32 MiB; the native threads stay free for loads the engine waits on.
+            mod, args = self._save_args(slots, op.block_ids, layout)
+            mod.cma_read(*args, streaming=True)
         elif _dma(pool, slot_runs := coalesce(slots)):
             self._dma_out(pool, slot_runs, op.block_ids, layout)
         else:
