@@ -157,6 +157,7 @@ class Transfers:
         self._lock = threading.Lock()
         self._busy: collections.Counter[str] = collections.Counter()  # request -> transfers in flight
         self._futures: set[concurrent.futures.Future[None]] = set()
+        self._queued = 0  # jobs submitted whose work is not over (a future is forgotten a moment after)
         self._loaded: set[str] = set()
         self._saved: set[str] = set()
         self._failed: set[int] = set()
@@ -231,7 +232,7 @@ class Transfers:
     def queued(self) -> bool:
         """Whether anything is queued or running on the IO thread (posted loads aside)."""
         with self._lock:
-            return bool(self._futures)
+            return self._queued > 0
 
     def busy(self, request_id: str) -> bool:
         with self._lock:
@@ -242,6 +243,7 @@ class Transfers:
             if self._closed:
                 raise ClosedError("transfers are closed")
             self._busy[request_id] += 1
+            self._queued += 1
             future = self._pool.submit(self._settle, request_id, job)
             self._futures.add(future)
         future.add_done_callback(self._forget)
@@ -256,6 +258,7 @@ class Transfers:
             job()
         finally:
             with self._lock:
+                self._queued -= 1  # over now: its future's callback runs later, after a poll may have looked
                 self._idle(request_id)
 
     def _idle(self, request_id: str) -> None:

@@ -179,3 +179,21 @@ def test_close_waits_for_posted_loads() -> None:
     assert gate.done()
     with pytest.raises(ClosedError):
         t.post(BlockLoad("s", (2,)), _Gate(), lambda: set())
+
+
+def test_nothing_is_queued_once_a_poll_reports_the_io_threads_work_over() -> None:
+    """``queued()`` (which keeps a native start from overtaking IO-thread work) says False once a poll has
+    reported that work over: a future is forgotten by its callback a moment after the work ends, and a
+    store's next load, seeing it still there, went to the IO thread instead of starting natively (~0.15 ms
+    of an 8 MiB load)."""
+    t = Transfers("test")
+    try:
+        for i in range(300):
+            t.save(f"r{i}", lambda: None)
+            t.hold([f"r{i}"])
+            deadline = time.monotonic() + 10
+            while f"r{i}" not in t.poll().finished_saving:
+                assert time.monotonic() < deadline
+            assert not t.queued(), f"round {i}"
+    finally:
+        t.close()
