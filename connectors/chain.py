@@ -22,7 +22,8 @@ Semantics:
   ``None``, as ``cpu``'s slots) is promoted into only when every block of its share arrived; the bytes
   of a block that failed are never stored.
 - **Saves**: write-through to every tier (each tier picks which blocks it takes, via its own
-  ``reserve_save``). ``write_back`` is not implemented and is refused.
+  ``reserve_save``), at once: a tier that starts its saves on native threads (``cpu``) copies while the
+  next one saves. ``write_back`` is not implemented and is refused.
 - **Degradation**: a tier that raises (lookup, reservation, load or save) is left out of that call
   and counted in ``stats.tier_failures``; the others still serve and store. A request fails only
   where no tier could deliver a block (reported as failed blocks, which the engine recomputes).
@@ -286,16 +287,30 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
                 self.tiers[f].stats.add(saves=1, save_blocks=n, save_bytes=n * slot_bytes)
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
+        """Write-through: every tier's share, at once where a tier starts its save on native threads (the cpu
+        tier's copy runs while the fs tier writes here: a 32 MiB save took the sum of the two, 11-13 ms, before).
+        Runs on the IO thread, and returns only once every tier's save is over, so nothing queued after it
+        overtakes it."""
         plan: tuple[TierShare, ...] = op.target.tiers if isinstance(op.target, ChainSave) else ()
+        subs = [(t, BlockSave(op.request_id, *_picked(op, positions), target)) for t, positions, target in plan]
+        started = [(t, sub, self._call(t, "start_save", self.tiers[t].start_save, sub, layout)) for t, sub in subs]
         stored = False
-        for t, positions, target in plan:
-            sub = BlockSave(op.request_id, *_picked(op, positions), target)
-            if self._call(t, "save", self.tiers[t].save, sub, layout) is not _FAILED:
-                stored = True
-                n = len(sub.block_ids)
-                self.tiers[t].stats.add(saves=1, save_blocks=n, save_bytes=n * layout.num_layers * layout.block_bytes)
+        for t, sub, running in started:
+            if running is None:  # this tier saves here, while the started ones copy
+                stored |= self._saved(t, sub, layout, self.tiers[t].save, sub, layout)
+        for t, sub, running in started:
+            if running is not None and running is not _FAILED:
+                stored |= self._saved(t, sub, layout, running[1])  # its completion waits for its copy
         if plan and not stored:
             raise TransferError(f"chain: every tier failed to save {op.request_id}")  # counted by the worker
+
+    def _saved(self, t: int, sub: BlockSave, layout: KVLayout, fn: Callable[..., Any], *args: Any) -> bool:
+        """Tier ``t``'s save of ``sub`` by ``fn(*args)``, counted in its stats; whether it stored."""
+        if self._call(t, "save", fn, *args) is _FAILED:
+            return False
+        n = len(sub.block_ids)
+        self.tiers[t].stats.add(saves=1, save_blocks=n, save_bytes=n * layout.num_layers * layout.block_bytes)
+        return True
 
     def attach(self, layout: KVLayout) -> None:
         for tier in self.tiers:  # a tier that cannot take this layout is a start-up error, not degraded

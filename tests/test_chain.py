@@ -140,6 +140,42 @@ def test_write_through_then_loads_from_the_fastest_tier(mem):
         e.close()
 
 
+def test_a_tier_that_starts_its_save_natively_copies_while_the_next_one_saves(mem, monkeypatch):
+    """Write-through does not add the tiers' times: the cpu tier's save is started on the native threads, the
+    slower tier saves meanwhile (its save sees the cpu one started and not yet completed), and the chain's save
+    returns only once both are over: each tier then serves the prompt bit-exact."""
+    e = MiniEngine(chain(CPU, {"backend": "memory", "name": mem}))
+    try:
+        sched, worker = stores(e)
+        if worker.tiers[0]._native is None:  # type: ignore[attr-defined]
+            pytest.skip(f"kvbridge._ucp: {native.load()[1]}")
+        seen: list[int] = []
+        real_save = worker.tiers[1].save
+
+        def save_beside(*args: Any) -> None:
+            seen.append(len(worker.tiers[0]._saving))  # type: ignore[attr-defined]
+            real_save(*args)
+
+        monkeypatch.setattr(worker.tiers[1], "save", save_beside)
+        prompt = tokens(4, seed=2)
+        sent = e.prefill("a", prompt)
+        assert seen == [1] and not worker.tiers[0]._saving  # type: ignore[attr-defined]
+        assert [t.contains_prefix(sent.keys) for t in sched.tiers] == [4, 4]
+        assert [t.stats.save_blocks for t in worker.tiers] == [4, 4]
+        got = e.prefill("b", prompt)  # from the cpu tier
+        assert torch.equal(got.snapshot[:, :4], sent.snapshot[:, :4])
+        assert [t.stats.load_blocks for t in worker.tiers] == [4, 0]
+        other = MiniEngine(chain(CPU, {"backend": "memory", "name": mem}))
+        try:  # another engine's chain: its own empty cpu tier, the shared memory tier
+            again = other.prefill("c", prompt)
+            assert again.loaded_tokens == 4 * 16 and torch.equal(again.snapshot[:, :4], sent.snapshot[:, :4])
+            assert [t.stats.load_blocks for t in stores(other)[1].tiers] == [0, 4]
+        finally:
+            other.close()
+    finally:
+        e.close()
+
+
 @pytest.mark.parametrize("promote", [True, False])
 def test_a_hit_in_a_slower_tier_is_promoted(mem, promote):
     prompt = tokens(5, seed=3)
