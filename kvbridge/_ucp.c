@@ -962,26 +962,25 @@ static int copy_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t
     return 0;
 }
 
-#define CRC_STRETCH (256u << 10) /* a block is summed a stretch at a time, next to that stretch's move */
+#define CRC_STRETCH (256u << 10) /* a read's block is summed a stretch at a time, after that stretch's read */
 
-/* Block i of r (its r->parts descriptors) moved to or from its file and summed a stretch at a time: a
- * write sums a stretch, then writes it; a read reads a stretch, then sums it.  Either way the sum reads
- * bytes the move just touched, still in the core's own cache: a 2 MiB block moved whole and summed whole
- * (or the other way round) was summed out of L3, and a single-threaded 8 MiB read and check measured 7.7-8.9
- * GB/s here against 9.3-9.9 in 256 KiB stretches.  Returns 0 or an errno; *got = bytes moved, *sum the
- * block's crc32c (whole only if *got is the block's length). */
-static int move_summed(CmaReadObject *r, Py_ssize_t i, uint64_t *got, uint32_t *sum) {
+/* Block i of r (its r->parts descriptors) read from its file and summed a stretch at a time: each stretch's
+ * sum reads bytes its read just wrote, still in the core's own cache (a 2 MiB block read whole, then summed,
+ * was summed out of L3: a single-threaded 8 MiB read and check measured 7.7-8.9 GB/s here against 9.3-9.9 in
+ * 256 KiB stretches).  Writes stay whole blocks (file_checked): a pwritev per stretch cost more in the
+ * filesystem than the sums gained (32 MiB of new files: 5.9 GB/s whole, 4.4 in stretches).  Returns 0 or an
+ * errno; *got = bytes read, *sum the block's crc32c (whole only if *got is the block's length). */
+static int read_summed(CmaReadObject *r, Py_ssize_t i, uint64_t *got, uint32_t *sum) {
     const descs *d = &r->d;
     uint32_t s = 0xFFFFFFFFu;
     *got = 0;
     for (Py_ssize_t j = i, k; j < i + r->parts; j = k) {
         uint64_t want = vec_u64(&d->lengths, j), moved = 0;
         for (k = j + 1; k < i + r->parts && want + vec_u64(&d->lengths, k) <= CRC_STRETCH; k++) want += vec_u64(&d->lengths, k);
-        if (r->write) s = descs_crc_update(s, d, j, k);
-        int err = file_range(&r->fds, d, j, k, r->write, &moved);
+        int err = file_range(&r->fds, d, j, k, 0, &moved);
         *got += moved;
         if (err || moved < want) return err;
-        if (!r->write) s = descs_crc_update(s, d, j, k);
+        s = descs_crc_update(s, d, j, k);
     }
     *sum = ~s;
     return 0;
@@ -997,8 +996,8 @@ static int file_checked(CmaReadObject *r, Py_ssize_t lo, Py_ssize_t hi, uint64_t
     for (Py_ssize_t i = lo; i < hi; i += r->parts) {
         uint64_t want = 0, got = 0;
         for (Py_ssize_t j = i; j < i + r->parts; j++) want += vec_u64(&d->lengths, j);
-        uint32_t sum = 0;
-        int err = move_summed(r, i, &got, &sum);
+        uint32_t sum = r->write ? descs_crc(d, i, r->parts) : 0;
+        int err = r->write ? file_range(&r->fds, d, i, i + r->parts, 1, &got) : read_summed(r, i, &got, &sum);
         *total += got;
         if (err || got < want) {
             pthread_mutex_lock(&cma_queue.lock);
