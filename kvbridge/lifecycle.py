@@ -20,8 +20,8 @@ Backends only move bytes; the bookkeeping of that sequence lives here, in two ob
   reports a *held* request in ``finished_saving`` once nothing reads or writes its blocks any more.
   Work a load leaves behind (a chain's promotion, ``after_load``) waits until the poll that reports
   the load: it then competes with the engine's next step, not with the engine learning of the load.
-  The background thread is ``SCHED_BATCH`` on Linux: woken by the engine's own calls, it never takes the
-  engine thread's core from it at once (:func:`_batch`).
+  The background thread waits for work as ``SCHED_BATCH`` on Linux: woken by the engine's own calls, it
+  never takes the engine thread's core from it at once (:func:`_idle_batch`).
 
 Both are thread-safe where they must be (``Transfers``: the engine thread and the IO thread) and cost
 nothing per block: the unit of work is one request's load or save.
@@ -144,13 +144,20 @@ class LoadBook:
 Failed = Sequence[int]  # block ids that did not arrive
 
 
-def _batch() -> None:
-    """Make the calling thread SCHED_BATCH (Linux; elsewhere, or where refused, nothing changes). The IO thread
-    is woken by the engine's own calls (a poll queues a chain's promotion); on a busy core the woken thread took
-    the core from the engine's thread at once, which then waited ~2 ms to go on (a quarter of the 32 MiB chain
-    loads here). A batch thread that wakes does not preempt; it runs on an idle core, or at the next tick."""
+def _policy(batch: bool) -> None:
+    """Make the calling thread SCHED_BATCH (``batch``) or SCHED_OTHER again (Linux; elsewhere, or where refused,
+    nothing changes)."""
     with contextlib.suppress(AttributeError, OSError):
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        os.sched_setscheduler(0, os.SCHED_BATCH if batch else os.SCHED_OTHER, os.sched_param(0))
+
+
+def _idle_batch() -> None:
+    """The IO thread waits for work as SCHED_BATCH: it is woken by the engine's own calls (a poll queues a chain's
+    promotion), and on a busy core the woken thread took the core from the engine's thread at once, which then
+    waited ~2 ms to go on (a quarter of the 32 MiB chain loads here). A batch thread that wakes does not preempt;
+    it runs on an idle core, or at the next tick. Each job then runs as SCHED_OTHER (:meth:`Transfers._settle`),
+    so a thread it makes (a thread pool's, a library's) does not inherit the batch policy."""
+    _policy(True)
 
 
 class Transfers:
@@ -166,7 +173,7 @@ class Transfers:
     """
 
     def __init__(self, name: str, *, threads: int = 1):
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"kvbridge-{name}", initializer=_batch)
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"kvbridge-{name}", initializer=_idle_batch)
         self._lock = threading.Lock()
         self._busy: collections.Counter[str] = collections.Counter()  # request -> transfers in flight
         self._futures: set[concurrent.futures.Future[None]] = set()
@@ -267,9 +274,11 @@ class Transfers:
 
     # -- on the IO thread --------------------------------------------------------------------------
     def _settle(self, request_id: str, job: Callable[[], None]) -> None:
+        _policy(False)  # woken as a batch thread (_idle_batch); the job itself runs as any other thread
         try:
             job()
         finally:
+            _policy(True)
             with self._lock:
                 self._queued -= 1  # over now: its future's callback runs later, after a poll may have looked
                 self._idle(request_id)

@@ -201,16 +201,22 @@ def test_nothing_is_queued_once_a_poll_reports_the_io_threads_work_over() -> Non
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
-def test_the_io_thread_never_preempts_the_engines_thread() -> None:
-    """The IO thread runs SCHED_BATCH: the engine's own calls wake it (a poll queues a chain's promotion), and
-    a woken thread that preempts took the engine thread's core on 2 cores (~2 ms in a quarter of the 32 MiB
-    chain loads here). The thread that made the transfers keeps its own policy."""
+def test_the_io_thread_waits_for_work_as_a_batch_thread() -> None:
+    """The IO thread waits as SCHED_BATCH: the engine's own calls wake it (a poll queues a chain's promotion),
+    and a woken thread that preempts took the engine thread's core on 2 cores (~2 ms in a quarter of the 32 MiB
+    chain loads here). A job runs as SCHED_OTHER, so threads it makes do not inherit the batch policy; the
+    thread that made the transfers keeps its own."""
     t = Transfers("test")
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     try:
-        t.save("r", lambda: seen.append(os.sched_getscheduler(0)))
+        t.save("r", lambda: seen.append((threading.get_native_id(), os.sched_getscheduler(0))))
         assert t.wait(timeout=10)
-        assert seen == [os.SCHED_BATCH]
+        (tid, during), = seen
+        assert during == os.SCHED_OTHER
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(tid) != os.SCHED_BATCH:  # back to waiting, once the job's last line ran
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
         assert os.sched_getscheduler(0) != os.SCHED_BATCH
     finally:
         t.close()
