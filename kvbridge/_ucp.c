@@ -430,6 +430,9 @@ static void cma_batch(void) {
     struct sched_param none = {0};
     (void)pthread_setschedparam(pthread_self(), SCHED_BATCH, &none); /* a refusal keeps the default policy */
 #endif
+#ifdef __linux__
+    (void)pthread_setname_np(pthread_self(), "kvbridge-copy"); /* for top -H, perf, /proc/<pid>/task: and tests */
+#endif
 }
 
 static void *cma_thread(void *unused) {
