@@ -217,6 +217,9 @@ def test_report_names_every_baseline_marks_doubtful_ratios_and_sums_up():
     assert "2.50?" in text and "0.50" in text and "ran slow in this run" in text
     assert "memcpy  one torch copy" in legend(records) and "file    one sequential write" in legend(records)
     assert "load         8 MiB: fastest cpu at 5.00 GB/s, 2.50x its strictest baseline" in summary(records)
+    assert "round by round" not in legend(records), "no record was timed with its baseline"
+    records[1] = dataclasses.replace(records[1], interleaved=True)
+    assert "timed round by round with ours (one run of each in turn, so a slow minute slows both): file;" in legend(records)
 
 
 def test_a_gpu_point_takes_the_pcie_baseline_and_says_where_it_ran():
@@ -262,7 +265,6 @@ def test_every_timed_transfer_starts_with_the_caches_evicted_and_the_scheduler_w
     assert events == ["run"] * 3
     point = Point(SHAPES["tiny"], 64)
     assert not cases.sched_floor_case(point).cold
-    monkeypatch.setattr(cases, "evict", lambda: events.append("evict"))
     events.clear()
     timed = cases.Case(lambda i: events.append(f"setup{i}"), lambda s: events.append("run"), lambda s: None)
     timed.time(1)
@@ -345,3 +347,64 @@ def test_plot_gives_every_backend_its_own_colour(tmp_path, monkeypatch):
     assert len({str(c) for c in loads}) == 12, loads
     assert all(str(c) != str(drawn["b00 save"]) for c in loads)  # a backend's saves: its light shade, not its load's
     assert "0.45" not in {str(c) for c in loads}
+
+
+def test_interleaved_cases_take_turns_each_round_and_one_failing_does_not_stop_the_others(monkeypatch):
+    """time_interleaved runs one rep of every case per round, the order rotated each round, each run after
+    its own setup and eviction; the warm-up round is not kept; a case that raises is dropped from the
+    rounds after and returned as its exception, while the others keep every sample."""
+    from kvbridge.bench import core
+
+    events: list[str] = []
+    monkeypatch.setattr(core, "evict", lambda: events.append("evict"))
+
+    def case(name: str, fail_at: int | None = None) -> core.Case:
+        def run(i: int) -> None:
+            if i == fail_at:
+                raise OSError(f"{name} broke at {i}")
+            events.append(f"{name}{i}")
+
+        return core.Case(lambda i: i, run)
+
+    a, b, c = case("a"), case("b", fail_at=2), case("c")
+    out = core.time_interleaved([a, b, c], 3)
+    runs = [e for e in events if e != "evict"]
+    assert runs[:6] == ["a0", "b0", "c0", "b1", "c1", "a1"], "rounds 0 and 1: everyone once, rotated"
+    assert runs[6:] == ["c2", "a2", "a3", "c3"], "b failed in round 2: rounds 2 and 3 go on without it"
+    assert events.count("evict") == len(runs) + 1, "every run (and the failed one) started cold"
+    assert isinstance(out[0], core.Timing) and len(out[0].samples) == 3
+    assert isinstance(out[2], core.Timing) and len(out[2].samples) == 3
+    assert isinstance(out[1], OSError) and "broke at 2" in str(out[1])
+
+
+def test_store_rows_time_their_in_process_baselines_round_by_round(tmp_path):
+    """A store's save and load are timed round by round with the baselines that run in this process (memcpy,
+    file): their records say so, and their figures are real timings of the medium; a baseline that cannot
+    start is its row's note while ours is still measured; save_stall takes the save's interleaved figure."""
+    from kvbridge.bench import baselines
+    from kvbridge.bench.cases import BENCH, BackendBench, Measurer
+
+    point = Point(SHAPES["8b"], 32)
+    measurer = Measurer(1, ops=("save", "load", "save_stall"))
+    records = measurer.measure("fs", [point])
+    rows = {(r.op, r.baseline): r for r in records}
+    for op in ("save", "load"):
+        r = rows[op, "file"]
+        assert r.interleaved and r.measured and r.baseline_s and r.baseline_s > 0, r
+    assert not rows["save_stall", "file"].interleaved
+    assert rows["save_stall", "file"].baseline_s == rows["save", "file"].baseline_s, "the same save baseline"
+    assert measurer._base == {}, "nothing measured apart: every baseline of fs runs in this process"
+
+    def broken(nbytes, op, env):
+        raise baselines.Unavailable("no such medium here")
+
+    try:
+        baselines.STEPPED["broken"] = broken
+        BENCH["memory"], saved = BackendBench(("memcpy", "broken")), BENCH["memory"]
+        got = {(r.op, r.baseline): r for r in Measurer(1, ops=("load",)).measure("memory", [point])}
+    finally:
+        del baselines.STEPPED["broken"]
+        BENCH["memory"] = saved
+    assert got["load", "memcpy"].interleaved and got["load", "memcpy"].measured
+    assert got["load", "broken"].measured and got["load", "broken"].baseline_s is None, "ours measured anyway"
+    assert "no such medium here" in got["load", "broken"].note and not got["load", "broken"].interleaved

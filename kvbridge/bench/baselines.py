@@ -4,10 +4,17 @@ A baseline is ``fn(nbytes, op, env, reps) -> Timing``: ``op`` is the backend's o
 ``load``, ``transfer``), ``env`` what the case learned about the backend's medium (``dir``,
 ``fsync``). It raises :class:`Unavailable` when it cannot run here. Add one by adding an entry to
 :data:`BASELINES`.
+
+One that runs in the bench's own process is better written as a *stepped* baseline,
+``cm(nbytes, op, env)``: a context manager whose value is a :class:`~kvbridge.bench.core.Case` (its
+buffers and files live as long as the context). Entered in :data:`STEPPED`, it is timed round by
+round with the backend's own case (:func:`~kvbridge.bench.core.time_interleaved`), so a minute in
+which this VM runs slow slows both; :func:`timed` makes its ``BASELINES`` entry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,14 +23,15 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from kvbridge.bench.core import Timing, fill_random, time_reps
+from kvbridge.bench.core import Case, Timing, fill_random, time_reps
 
 Baseline = Callable[[int, str, Mapping[str, Any], int], Timing]
+Stepped = Callable[[int, str, Mapping[str, Any]], contextlib.AbstractContextManager[Case]]
 
 
 class Unavailable(Exception):
@@ -35,15 +43,22 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def memcpy(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+def _each_run(run: Callable[[], object]) -> Case:
+    """A case with nothing to set up: ``run()`` timed each time (cold, as every transfer)."""
+    return Case(lambda i: None, lambda _: run())
+
+
+@contextlib.contextmanager
+def memcpy(nbytes: int, op: str, env: Mapping[str, Any]) -> Iterator[Case]:
     """``torch`` ``copy_`` of one contiguous buffer of ``nbytes`` into another."""
     src = torch.empty(nbytes, dtype=torch.uint8)
     fill_random(src)
     dst = torch.empty_like(src)
-    return time_reps(lambda _: dst.copy_(src), reps)
+    yield _each_run(lambda: dst.copy_(src))
 
 
-def memcpy_stream(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+@contextlib.contextmanager
+def memcpy_stream(nbytes: int, op: str, env: Mapping[str, Any]) -> Iterator[Case]:
     """The same bytes copied as fast as this process copies memory: kvbridge's native copy with
     streaming stores, cut between its two threads (1 MiB descriptors, contiguous). torch's ``copy_``
     (``memcpy``) uses plain stores, which first read every destination line that is not cached."""
@@ -58,10 +73,11 @@ def memcpy_stream(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Ti
     piece = min(nbytes, 1 << 20)
     offsets = torch.arange(0, nbytes - piece + 1, piece, dtype=torch.int64).numpy().astype("uint64")
     remote, local = offsets + src.data_ptr(), offsets + dst.data_ptr()
-    return time_reps(lambda _: mod.cma_start(0, remote, local, piece, streaming=True).result(), reps)
+    yield _each_run(lambda: mod.cma_start(0, remote, local, piece, streaming=True).result())
 
 
-def pcie(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+@contextlib.contextmanager
+def pcie(nbytes: int, op: str, env: Mapping[str, Any]) -> Iterator[Case]:
     """For a KV cache on a GPU (``env["device"]``): one ``copy_`` of ``nbytes`` between pinned host memory and
     the device, as a store's staging moves them (``save``: device to host; ``load``: host to device;
     ``transfer``: device to device), timed to the end of the copy (``torch.cuda.synchronize``)."""
@@ -73,14 +89,15 @@ def pcie(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
     other = torch.empty_like(gpu) if op == "transfer" else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     src, dst = (other, gpu) if op == "load" else (gpu, other)
 
-    def copy(_: object) -> None:
+    def copy() -> None:
         dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize(device)
 
-    return time_reps(copy, reps)
+    yield _each_run(copy)
 
 
-def file(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+@contextlib.contextmanager
+def file(nbytes: int, op: str, env: Mapping[str, Any]) -> Iterator[Case]:
     """One sequential ``write`` (``save``; plus ``os.fsync`` when the backend fsyncs) or ``readinto``
     (``load``) of ``nbytes`` in the backend's own directory.
 
@@ -132,20 +149,32 @@ def file(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
             with open(f"{target}.{n}", "rb", buffering=0) as f:
                 f.readinto(view[at : min(nbytes, at + piece)])
 
+    def fresh(i: int) -> str:
+        os.sync()
+        return os.path.join(folder, f"w{i}")
+
     try:
         if op == "save":
-            def fresh(i: int) -> str:
-                os.sync()
-                return os.path.join(folder, f"w{i}")
-
-            return time_reps(write, reps, setup=fresh)
-        if env.get("fresh"):
-            return time_reps(read_files, reps, setup=written)
-        with open(path, "wb") as f:
-            f.write(view)
-        return time_reps(read, reps)
+            yield Case(fresh, write)
+        elif env.get("fresh"):
+            yield Case(written, read_files)
+        else:
+            with open(path, "wb") as f:
+                f.write(view)
+            yield Case(lambda i: None, read)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def timed(stepped: Stepped) -> Baseline:
+    """The plain baseline of a stepped one: its case timed alone, ``reps`` times."""
+
+    def baseline(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
+        with stepped(nbytes, op, env) as case:
+            return case.time(reps)
+
+    baseline.__doc__ = stepped.__doc__
+    return baseline
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -253,10 +282,11 @@ def ucxx_raw(nbytes: int, op: str, env: Mapping[str, Any], reps: int) -> Timing:
         raise Unavailable(f"ucxx transfer failed: {exc} {detail.strip()[-200:]}") from exc
 
 
-BASELINES: dict[str, Baseline] = {
-    "memcpy": memcpy, "memcpy:nt": memcpy_stream, "file": file, "tcp": tcp, "ucxx": ucxx_raw, "pcie": pcie,
-}  # fmt: skip
+# the baselines that run in this process, timed round by round with the backend's case
+STEPPED: dict[str, Stepped] = {"memcpy": memcpy, "memcpy:nt": memcpy_stream, "file": file, "pcie": pcie}
+BASELINES: dict[str, Baseline] = {name: timed(fn) for name, fn in STEPPED.items()} | {"tcp": tcp, "ucxx": ucxx_raw}
 # a KV cache on a GPU: host-memory baselines become the copy between pinned host memory and the device
 ON_DEVICE = {"memcpy": "pcie", "memcpy:nt": "pcie"}
 
-__all__ = ["BASELINES", "ON_DEVICE", "Baseline", "Unavailable", "file", "memcpy", "memcpy_stream", "pcie", "tcp", "ucxx_raw"]
+__all__ = ["BASELINES", "ON_DEVICE", "STEPPED", "Baseline", "Stepped", "Unavailable", "file", "memcpy", "memcpy_stream", "pcie",
+           "tcp", "timed", "ucxx_raw"]

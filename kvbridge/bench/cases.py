@@ -33,10 +33,10 @@ from typing import Any
 from kvbridge import registry
 from kvbridge.bench import lmcache_native as _lmcache_native
 from kvbridge.bench import ucx_baselines as _ucx_baselines  # noqa: F401 - registers the "ucxx-wa" baseline
-from kvbridge.bench.baselines import BASELINES, ON_DEVICE, Unavailable
-from kvbridge.bench.cold import evict
+from kvbridge.bench.baselines import BASELINES, ON_DEVICE, STEPPED, Unavailable
 from kvbridge.bench.core import (
     SHAPES,
+    Case,
     KVPool,
     Point,
     Record,
@@ -54,7 +54,7 @@ from kvbridge.bench.core import (
     save_seconds,
     settle,
     step_saves,
-    time_reps,
+    time_interleaved,
     wait_saved,
 )
 from kvbridge.bench.peers import POINT_BASELINES, UCX_PEERS
@@ -224,30 +224,6 @@ class Pair:
 def _check_failed(failed: frozenset[int]) -> None:
     if failed:
         raise Unavailable(f"{len(failed)} blocks failed to load")
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One timed operation: ``setup(i)`` (untimed) gives a state, ``run(state)`` is timed,
-    ``teardown(state)`` (untimed) finishes the requests. pytest-benchmark drives the same three.
-    ``cold``: the CPU's caches are evicted before each run (a transfer's bytes; the scheduler's
-    bookkeeping is timed warm, as its figures always were)."""
-
-    setup: Callable[[int], Any]
-    run: Callable[[Any], object]
-    teardown: Callable[[Any], object]
-    cold: bool = True
-
-    def prepare(self, i: int) -> Any:
-        """Untimed, before the ``i``-th run: its state (``setup``), then the caches evicted if ``cold`` (the one
-        place that rule lives: :meth:`time` and pytest-benchmark's setup both call this)."""
-        state = self.setup(i)
-        if self.cold:
-            evict()
-        return state
-
-    def time(self, reps: int) -> Timing:
-        return time_reps(self.run, reps, setup=self.prepare, teardown=self.teardown, cold=False)
 
 
 def save_case(pair: Pair, tag: str = "save", seed: int = 1000) -> Case:
@@ -477,10 +453,14 @@ class Measurer:
         baselines: Sequence[str],
         env: Mapping[str, Any],
         note: str,
+        paired: Mapping[tuple[str, str], Timing | str] | None = None,
     ) -> list[Record]:
+        """One record per baseline: the one timed round by round with ours (``paired[op, b]``) where there
+        is one, else the baseline measured apart (:meth:`baseline`)."""
         out = []
         for b in baselines:
-            base = self.baseline(b, point, op, env) if ours else None
+            together = (paired or {}).get((op, b))
+            base = together if together is not None else self.baseline(b, point, op, env) if ours else None
             out.append(
                 make_record(
                     name,
@@ -490,6 +470,7 @@ class Measurer:
                     b,
                     base if isinstance(base, Timing) else None,
                     note=note or (base if isinstance(base, str) else getattr(base, "note", "")),
+                    interleaved=together is not None,
                 )
             )
         return out
@@ -502,12 +483,14 @@ class Measurer:
         baselines: Sequence[str],
         env: Mapping[str, Any],
         note: str,
+        paired: Mapping[tuple[str, str], Timing | str] | None = None,
     ) -> list[Record]:
         """``save_stall`` rows: the stall beside the save's own time, and the raw medium writing the same
         bytes (the ``save`` baseline, measured once for both)."""
         out = []
         for b in baselines:
-            base = self.baseline(b, point, "save", env) if ours else None
+            together = (paired or {}).get(("save", b))  # the save's, where it was timed with the save's case
+            base = together if together is not None else self.baseline(b, point, "save", env) if ours else None
             record = make_record(
                 name,
                 "save_stall",
@@ -570,24 +553,25 @@ class Measurer:
                 pair = Pair(target, point)
                 env = medium_env(target, tmp, point) | {"fresh": spec.fresh, "device": point.device}
                 timed: list[tuple[str, Timing | StallTiming | None, str]] = []
+                paired: dict[tuple[str, str], Timing | str] = {}  # (op, baseline): timed with the op's case
                 try:
                     for op in ops:
                         self.progress.step(f"{name} {op} {point.label()}")
                         try:
-                            timed.append((op, self._time(op, pair, peer, spec.fresh), ""))
+                            timed.append((op, self._time(op, pair, peer, spec.fresh, bases, env, paired), ""))
                         except Exception as exc:  # noqa: BLE001 - one failing case is a row, not a crash
                             timed.append((op, None, f"not measured: {type(exc).__name__}: {exc}"))
                 finally:
                     pair.close()
-                # baselines right after, with the backend's engines closed: their threads (a spinning one
-                # costs a core of two) must not slow the raw medium or a peer down
+                # the other baselines right after, with the backend's engines closed: their threads (a
+                # spinning one costs a core of two) must not slow the raw medium or a peer down
                 for op, ours, note in timed:
                     if op == "save_stall":
                         stall = ours if isinstance(ours, StallTiming) else None
-                        records += self._stall_records(name, point, stall, bases, env, note)
+                        records += self._stall_records(name, point, stall, bases, env, note, paired)
                     else:
                         plain = ours if isinstance(ours, Timing) else None
-                        records += self._records(name, op, point, plain, bases, env, note)
+                        records += self._records(name, op, point, plain, bases, env, note, paired)
         except Exception as exc:  # noqa: BLE001 - the backend would not start
             records += _not_measured(name, "-", point, bases, f"{type(exc).__name__}: {exc}")
         return records
@@ -602,11 +586,53 @@ class Measurer:
             ours, note = None, f"not measured: {type(exc).__name__}: {exc}"
         return self._records(name, "transfer", point, ours, spec.chosen(self.quick), {}, note)
 
-    def _time(self, op: str, pair: Pair, peer: bool, fresh: bool = False) -> Timing | StallTiming:
+    def _time(
+        self,
+        op: str,
+        pair: Pair,
+        peer: bool,
+        fresh: bool = False,
+        baselines: Sequence[str] = (),
+        env: Mapping[str, Any] | None = None,
+        paired: dict[tuple[str, str], Timing | str] | None = None,
+    ) -> Timing | StallTiming:
+        """Op ``op``'s case timed; those of ``baselines`` that run in this process (:data:`STEPPED`) are
+        timed round by round with it, their timings (or why they could not run) put in ``paired``."""
         reps = self.reps_for(pair.point)
         if op == "save_stall":
             return time_save_stall(pair, reps)
-        return (save_case(pair) if op == "save" else load_case(pair, peer=peer, fresh=fresh)).time(reps)
+        case = save_case(pair) if op == "save" else load_case(pair, peer=peer, fresh=fresh)
+        stepped = [b for b in baselines if b in STEPPED]
+        if not stepped or paired is None:
+            return case.time(reps)
+        return self._interleaved(case, stepped, pair.point, op, env or {}, reps, paired)
+
+    @staticmethod
+    def _interleaved(
+        case: Case,
+        baselines: Sequence[str],
+        point: Point,
+        op: str,
+        env: Mapping[str, Any],
+        reps: int,
+        paired: dict[tuple[str, str], Timing | str],
+    ) -> Timing:
+        """``case`` and each baseline's case timed round by round (:func:`time_interleaved`); ours, or its error.
+        A baseline that cannot start, or fails on the way, is reported in its row; ours is measured anyway."""
+        with contextlib.ExitStack() as stack:
+            cases, names = [case], []
+            for b in baselines:
+                try:
+                    cases.append(stack.enter_context(STEPPED[b](point.nbytes, op, env)))
+                    names.append(b)
+                except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not raised
+                    paired[op, b] = f"baseline {b} not measured: {exc}"
+            ours, *theirs = time_interleaved(cases, reps)
+        for b, got in zip(names, theirs):
+            paired[op, b] = got if isinstance(got, Timing) else f"baseline {b} not measured: {got}"
+        if isinstance(ours, Exception):
+            raise ours
+        return ours
 
     def _sched(self, name: str, point: Point) -> list[Record]:
         try:

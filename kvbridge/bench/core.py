@@ -126,6 +126,63 @@ def time_reps(
     return Timing(tuple(out))
 
 
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One timed operation: ``setup(i)`` (untimed) gives a state, ``run(state)`` is timed,
+    ``teardown(state)`` (untimed) finishes it. Backends' cases and in-process baselines are both cases, so
+    :func:`time_interleaved` can alternate them; pytest-benchmark drives the same three.
+    ``cold``: the CPU's caches are evicted before each run (a transfer's bytes; the scheduler's
+    bookkeeping is timed warm, as its figures always were)."""
+
+    setup: Callable[[int], Any]
+    run: Callable[[Any], object]
+    teardown: Callable[[Any], object] = lambda state: None
+    cold: bool = True
+
+    def prepare(self, i: int) -> Any:
+        """Untimed, before the ``i``-th run: its state (``setup``), then the caches evicted if ``cold`` (the one
+        place that rule lives: :meth:`time`, :func:`time_interleaved` and pytest-benchmark's setup call this)."""
+        state = self.setup(i)
+        if self.cold:
+            evict()
+        return state
+
+    def time(self, reps: int) -> Timing:
+        return time_reps(self.run, reps, setup=self.prepare, teardown=self.teardown, cold=False)
+
+
+def time_interleaved(cases: Sequence[Case], reps: int, *, warmup: int = 1) -> list[Timing | Exception]:
+    """Time ``cases`` round by round, one run of each per round (``warmup`` rounds first, not kept), the
+    order rotated every round so that none always runs first; per case its :class:`Timing`, or the exception
+    that ended it (the others go on without it).
+
+    Why: a ratio of two figures timed minutes apart is as good as this VM's drift allows: the same fs row
+    swung 0.57-0.78 between two quiet runs 15 minutes apart, and the file medium 6.6-14.8 GB/s in half an
+    hour. Timed round by round, a slow minute slows ours and its baseline alike, and their ratio keeps.
+    """
+    samples: list[list[float]] = [[] for _ in cases]
+    ended: dict[int, Exception] = {}
+    for r in range(warmup + reps):
+        for k in range(len(cases)):
+            i = (r + k) % len(cases)
+            if i in ended:
+                continue
+            case = cases[i]
+            try:
+                state = case.prepare(r)
+                t0 = time.perf_counter()
+                case.run(state)
+                dt = time.perf_counter() - t0
+                case.teardown(state)
+            except Exception as exc:  # noqa: BLE001 - one case failing ends that case, not the round
+                ended[i] = exc
+                continue
+            if r >= warmup:
+                samples[i].append(dt)
+    return [ended.get(i) or Timing(tuple(s)) for i, s in enumerate(samples)]
+
+
 @dataclasses.dataclass
 class Record:
     """One measured figure beside its baseline. ``ratio`` is ours/baseline in throughput (baseline time / our time): 1.0 is as fast
@@ -160,6 +217,7 @@ class Record:
     save_s: float | None = None  # save_stall: median of the save's own time (the worker's save_seconds per step)
     stall_frac: float | None = None  # save_stall: median over steps of stall / the save's own time
     cold: bool = True  # every timed call began with the CPU's caches evicted (False: --warm, and sched_step rows)
+    interleaved: bool = False  # the baseline was timed round by round with ours (time_interleaved), not apart
 
     @property
     def measured(self) -> bool:
@@ -186,9 +244,11 @@ def make_record(
     per: int = 1,
     moves_bytes: bool = True,
     warm: bool = False,
+    interleaved: bool = False,
 ) -> Record:
     """A record of ``ours`` beside ``base`` at ``point``; times are divided by ``per`` (per-request figures).
-    ``warm``: the case is timed warm whatever the run (``sched_step``); else ``cold`` is the run's."""
+    ``warm``: the case is timed warm whatever the run (``sched_step``); else ``cold`` is the run's.
+    ``interleaved``: ``base`` was timed round by round with ``ours`` (:func:`time_interleaved`)."""
     med = ours.median / per if ours else None
     base_med = base.median / per if base else None
     return Record(
@@ -212,6 +272,7 @@ def make_record(
         note=note,
         device=point.device,
         cold=evicting() and not warm,
+        interleaved=interleaved and base is not None,
     )
 
 
@@ -437,6 +498,7 @@ __all__ = [
     "KVPool",
     "Point",
     "Record",
+    "Case",
     "Shape",
     "Timing",
     "end_load",
@@ -454,6 +516,7 @@ __all__ = [
     "save_seconds",
     "settle",
     "step_saves",
+    "time_interleaved",
     "time_reps",
     "wait_saved",
 ]

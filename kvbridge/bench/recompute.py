@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvbridge.bench.baselines import memcpy
+from kvbridge.bench.baselines import BASELINES
 from kvbridge.bench.cold import evicting
 from kvbridge.bench.core import SHAPES, Point, Record, Shape, gbps
 
@@ -130,7 +130,7 @@ def compare(records: list[Record], prefill_tps: float, tiny_tps: float | None = 
         cfg = TinyConfig()
         shape = Shape("tiny-llama", cfg.layers, cfg.heads, cfg.hidden // cfg.heads, torch.float32)
         point = Point(shape, 512)
-        copy = memcpy(point.nbytes, "load", {}, reps).median
+        copy = BASELINES["memcpy"](point.nbytes, "load", {}, reps).median
         recompute = point.tokens / tiny_tps
         note = f"tiny-llama measured here: {tiny_tps:,.0f} tok/s; break-even {_even(break_even(0.0, copy / point.tokens, tiny_tps))}"
         out.append(_record("memcpy", point, copy, f"prefill@{tiny_tps:.0f}tok/s", recompute, note))

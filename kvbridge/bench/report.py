@@ -126,7 +126,12 @@ def legend(records: Sequence[Record]) -> str:
     if not names:
         return ""
     width = max(len(n) for n in names)
-    return "baselines:\n" + "\n".join(f"  {n:<{width}}  {BASELINES.get(n, 'see its row')}" for n in names)
+    text = "baselines:\n" + "\n".join(f"  {n:<{width}}  {BASELINES.get(n, 'see its row')}" for n in names)
+    paired = sorted({r.baseline for r in records if r.measured and r.interleaved})
+    if paired:
+        text += (f"\n  timed round by round with ours (one run of each in turn, so a slow minute slows both): "
+                 f"{', '.join(paired)}; the others apart, right after the backend's cases")  # fmt: skip
+    return text
 
 
 def summary(records: Sequence[Record]) -> str:
