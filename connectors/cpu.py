@@ -208,7 +208,8 @@ class CpuIndex(StoreIndex):
     def release(self, request_id: str, failed: Sequence[bytes] = ()) -> None:
         with self._lock:
             held = self._held.pop(request_id, ())
-            np.subtract.at(self._pins, np.asarray(held, np.intp), 1)
+            if held:  # a request that pinned nothing here (most, in a chain's consumer) costs no numpy
+                np.subtract.at(self._pins, np.asarray(held, np.intp), 1)
             for slot in self._orphans.intersection(held) if self._orphans else ():
                 if not self._pins[slot]:  # its last pin went: free it now
                     self._orphans.discard(slot)

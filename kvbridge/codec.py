@@ -362,6 +362,11 @@ class Chunk:
         """The error of block ``i`` whose bytes do not match its checksum (every reader says it this way)."""
         return Corrupted(f"checksum mismatch in block {i} of {len(self.keys)}", damaged=True)
 
+    def packed_sums(self, i: int, n: int) -> bytes:
+        """The checksums of blocks ``i .. i+n-1`` as little-endian uint32s, as a native read gives them
+        (``checked()``): one bytes comparison tells whether a whole read matched."""
+        return struct.pack(f"<{n}I", *self.checksums[i : i + n])
+
     def matching(self, i: int, sums: Any) -> int:
         """How many of ``sums`` (the checksums of blocks ``i, i+1, ...`` as read, uint32) equal the object's, from
         the first (``len(sums)``: all of them)."""

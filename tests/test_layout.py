@@ -401,3 +401,35 @@ def test_all_layers_move_in_one_op_where_they_are_one_allocation(arrangement):
     per_layer.scatter(dst, staging)
     for a, b in zip(one.layers, per_layer.layers):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "numpy", "tensor"])
+def test_check_bounds_refuses_what_check_range_refuses(kind):
+    """``check_bounds`` (a store's load and save: min and max of the ids, no array) must accept and refuse
+    exactly the ids ``check_range`` does, whatever they come in."""
+    layout = KVLayout.from_tensors(vllm_cache(blocks=40), block_size=16)
+    make = {"list": list, "tuple": tuple, "numpy": np.asarray, "tensor": torch.tensor}[kind]
+    for ids in ([0, 39, 7], [5], [39, 40], [-1, 3], [41]):
+        ok = all(0 <= i < 40 for i in ids)
+        for check in (layout.check_bounds, layout.check_range):
+            if ok:
+                check(make(ids))
+            else:
+                with pytest.raises(LayoutError, match=r"outside \[0, 40\)"):
+                    check(make(ids))
+    layout.check_bounds(make([]) if kind != "tensor" else torch.tensor([], dtype=torch.int64))
+
+
+def test_addressing_lengths_are_the_tiled_pieces_for_any_count_and_read_only():
+    """``lengths(n)`` is the front of one kept array (grown as larger counts are asked): for every count, in
+    any order, it must equal the pieces' lengths tiled per layer and block, and no caller may write it."""
+    base = torch.zeros(2, 2, 30, 16, 4, 8, dtype=torch.float16)  # kv_first: two pieces a block, of unequal place
+    addressing = KVLayout.from_tensors({f"l{i}": base[i] for i in range(2)}, block_size=16).addressing()
+    one = np.asarray([n for _, n in addressing.pieces], np.uint64)
+    for n in (3, 1, 12, 0, 7, 30, 2):
+        got = addressing.lengths(n)
+        assert np.array_equal(got, np.tile(one, 2 * n)) and got.dtype == np.uint64
+        with pytest.raises(ValueError):
+            got[:1] = 0
+    addresses, lengths = addressing.by_block([29, 3])
+    assert len(addresses) == len(lengths) == 2 * 2 * len(one)
