@@ -267,7 +267,7 @@ class CpuPool(StoreIO):
         if declared and declared != slot_bytes:  # the scheduler would count a different number of slots
             raise LayoutError(f"cpu: KV blocks are {slot_bytes} bytes over all layers, the engine declared {declared}")
         num_slots = _num_slots(self.options.capacity_bytes, slot_bytes)
-        pin = layout.device.type == "cuda"  # pinned memory only pays (and only works) beside a GPU
+        pin = layout.device_type == "cuda"  # pinned memory only pays (and only works) beside a GPU
         slots = torch.empty((num_slots, layout.num_layers, layout.block_bytes), dtype=torch.uint8, pin_memory=pin)
         if not pin:  # fault every page in now, once: a first touch during a save costs more than the copy
             slots.zero_()
@@ -277,7 +277,7 @@ class CpuPool(StoreIO):
             self._stream = torch.cuda.Stream(layout.device)
             self._save_stream = torch.cuda.Stream(layout.device)
         self._words, self._native = None, None
-        if layout.device.type == "cpu":
+        if layout.device_type == "cpu":
             kv = [block_words(v, torch.int32) for v in layout.layers]
             if all(w is not None for w in kv):
                 self._words = list(zip(kv, (block_words(self.pool[i], torch.int32) for i in range(layout.num_layers))))
@@ -325,7 +325,7 @@ class CpuPool(StoreIO):
                 src = pool[layer, slot_runs[0][0] : slot_runs[0][0] + n].contiguous()
             else:
                 src = pool[layer].index_select(0, at)
-            if layout.device.type != "cpu":
+            if layout.device_type != "cpu":
                 src = src.to(layout.device, non_blocking=pool.is_pinned())
             layout.scatter_layer(layer, ids, src, runs)
             _sync(layout)
@@ -531,7 +531,7 @@ def _copy_in(pool: torch.Tensor, slots: list[int], block_ids: Sequence[int], lay
         src = pool[:, slot_runs[0][0] : slot_runs[0][0] + len(slots)]
     else:
         src = pool.index_select(1, torch.as_tensor(slots))
-    if layout.device.type != "cpu":
+    if layout.device_type != "cpu":
         src = src.to(layout.device, non_blocking=pool.is_pinned())
     runs = coalesce(block_ids)
     for layer in range(layout.num_layers):  # (a slot run's rows of a layer lie a slot apart: made one stretch)
@@ -551,7 +551,7 @@ _MAX_RUNS = 64
 
 def _sync(layout: KVLayout) -> None:
     # loads must be in the KV before they are reported, saves out of it before finish_step returns
-    if layout.device.type == "cuda":
+    if layout.device_type == "cuda":
         torch.cuda.current_stream(layout.device).synchronize()  # inside a load: the load stream
 
 

@@ -330,7 +330,7 @@ class _Blocks:
     @classmethod
     def of(cls, layout: KVLayout) -> _Blocks | None:
         """The views of ``layout``, or ``None`` where it must go through staging (a GPU, ``kv_first``)."""
-        if layout.device.type != "cpu":
+        if layout.device_type != "cpu":
             return None
         rows = [block_words(v, torch.uint8) for v in layout.layers]
         if any(r is None for r in rows):
@@ -759,13 +759,13 @@ class FsStore(_Tree, StoreIO):
         no Python object per block): a CPU KV (any layout: a block's pieces are addressed) or one on a GPU
         (through pinned staging), read in place, objects checked with crc32c (this store's kind, and every
         object's a load reads)."""
-        return (self._native is not None and layout.device.type in ("cpu", "cuda") and not self._direct
+        return (self._native is not None and layout.device_type in ("cpu", "cuda") and not self._direct
                 and self._kind == codec.CRC32C and all(r.chunk.kind == codec.CRC32C for r in reads))  # fmt: skip
 
     @staticmethod
     def _staged(layout: KVLayout) -> bool:
         """Whether the native path moves blocks through pinned staging: a KV the host cannot address (a GPU's)."""
-        return layout.device.type != "cpu"
+        return layout.device_type != "cpu"
 
     def _read_native(self, op: BlockLoad, layout: KVLayout, reads: list[_Read], covered: int) -> int:
         """Every located block read straight into its block of the KV and checked there, in one call on

@@ -385,7 +385,7 @@ def _layer_views(layout: KVLayout) -> list[torch.Tensor] | None:
     """Per layer, a view ``[num_blocks, ...]`` of the KV that moves a block as plain integers: rows of int64
     words where a block is one stretch of memory (faster copies), else the block's own shape as integers of
     the element's width (``kv_first``: K and V apart). ``None`` for a KV that is not in host memory."""
-    if layout.device.type != "cpu":
+    if layout.device_type != "cpu":
         return None
     views = []
     for v in layout.layers:

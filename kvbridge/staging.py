@@ -58,7 +58,7 @@ class StagingPool:
     def _placement(self, layout: KVLayout) -> tuple[torch.device, bool]:
         if self.where == "kv":
             return layout.device, False
-        return torch.device("cpu"), layout.device.type == "cuda" and torch.cuda.is_available()
+        return torch.device("cpu"), layout.device_type == "cuda" and torch.cuda.is_available()
 
     def take(self, layout: KVLayout, n: int) -> torch.Tensor:
         """A contiguous uint8 ``[num_layers, n, block_bytes]`` buffer for ``layout``, yours until :meth:`give`."""

@@ -648,7 +648,7 @@ class StoreWorker(WorkerSide):
 def _forward_done(layout: KVLayout) -> Any:
     """An event the IO thread waits on before reading KV the forward pass wrote (``None`` on the CPU,
     where the forward pass is over when ``finish_step`` runs)."""
-    if layout.device.type != "cuda":
+    if layout.device_type != "cuda":
         return None
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(layout.device))

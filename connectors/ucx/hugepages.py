@@ -34,7 +34,7 @@ def _madvise(libc: ctypes.CDLL, start: int, length: int, advice: int) -> int:
 def back_with_huge_pages(layout: KVLayout) -> int:
     """Advise and collapse the 2 MiB-aligned part of each of ``layout``'s CPU regions; the bytes now
     backed by huge pages (0 when the kernel refused, or the KV is not in host memory)."""
-    if layout.device.type != "cpu" or not sys.platform.startswith("linux"):
+    if layout.device_type != "cpu" or not sys.platform.startswith("linux"):
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     done = 0

@@ -175,7 +175,7 @@ def _close_context() -> None:
 
 
 def _memory_type(layout: KVLayout) -> str:
-    return "cuda" if layout.device.type == "cuda" else "host"
+    return "cuda" if layout.device_type == "cuda" else "host"
 
 
 # ---- producer --------------------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
     else:
         layout.addressing().check_compatible(addressing)
     num_blocks = int(t.get(BLOCKS, b"0"))
-    host_kv = t.get(MEMORY, b"host") == b"host" and layout.device.type == "cpu"
+    host_kv = t.get(MEMORY, b"host") == b"host" and layout.device_type == "cpu"
     if lane in ("auto", "cma") and host_kv:
         pid = int(t[PID])
         if _probe(pid, t[PROBE]):
