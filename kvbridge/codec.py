@@ -216,7 +216,13 @@ def block_checksums(kind: int, blocks: np.ndarray) -> np.ndarray:
 
 
 def leading_matches(got: Any, want: Any) -> int:
-    """How many of the checksums ``got`` equal ``want``'s, from the first: where a read's blocks stop counting."""
+    """How many of the checksums ``got`` equal ``want``'s, from the first: where a read's blocks stop counting.
+    Both uint32 sequences, or both ``bytes`` of little-endian uint32s (a native read's ``checked()`` sums beside
+    :meth:`Chunk.packed_sums`): a read that matched whole is then one comparison, no numpy (~20 us cold)."""
+    if isinstance(got, bytes) and isinstance(want, bytes):
+        if got == want:
+            return len(got) // 4
+        got, want = np.frombuffer(got, "<u4"), np.frombuffer(want, "<u4")
     bad = np.flatnonzero(np.asarray(got, np.uint32) != np.asarray(want, np.uint32))
     return int(bad[0]) if bad.size else len(got)
 

@@ -180,7 +180,7 @@ class BlockAddressing:
         """Addresses of every piece of ``block_ids`` in every layer, ``uint64 [layers * n * pieces]``,
         layer-major; one vectorized expression (no loop over blocks)."""
         ids = np.asarray(block_ids, dtype=np.uint64).reshape(1, -1, 1)
-        return (self._bases + ids * np.uint64(self.block_stride) + self._offsets).reshape(-1)
+        return (self._bases + ids * self._stride + self._offsets).reshape(-1)
 
     def lengths(self, num_blocks: int) -> np.ndarray:
         """Lengths matching :meth:`addresses` of ``num_blocks`` blocks, ``uint64``, read-only: the front of
@@ -188,7 +188,7 @@ class BlockAddressing:
         per_block = len(self.bases) * len(self.pieces)
         kept = self._kept[0]
         if len(kept) < per_block * num_blocks:  # grown by doubling; a racing thread's copy is as good as ours
-            blocks = max(num_blocks, 2 * len(kept) // max(1, per_block))
+            blocks = max(num_blocks, 2 * len(kept) // per_block)
             kept = np.tile(self._lengths, len(self.bases) * blocks)
             kept.flags.writeable = False
             self._kept[0] = kept

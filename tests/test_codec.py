@@ -455,3 +455,7 @@ def test_leading_matches_counts_the_checksums_that_agree_from_the_first():
     assert leading_matches([1, 9, 3], [1, 2, 3]) == 1  # a later match after a mismatch does not count
     assert leading_matches([7], [1]) == 0
     assert leading_matches([], []) == 0
+    # the same answers from packed little-endian uint32s (a native read's sums beside Chunk.packed_sums)
+    for got, want in (([1, 2, 3], [1, 2, 3]), ([1, 9, 3], [1, 2, 3]), ([7], [1]), ([], []), ([2**32 - 1, 5], [2**32 - 1, 6])):
+        packed = [struct.pack(f"<{len(x)}I", *x) for x in (got, want)]
+        assert leading_matches(*packed) == leading_matches(got, want)
