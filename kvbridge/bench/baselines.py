@@ -104,11 +104,11 @@ def file(nbytes: int, op: str, env: Mapping[str, Any]) -> Iterator[Case]:
     Each write makes new files, as a store's save makes new objects, of at most ``env["object_bytes"]``
     each (the store's object size, where it has one), the first 4 KiB of each written last; the files
     stay until the end, as a store's objects do. Before each write, as before each save of a store
-    (:func:`kvbridge.bench.cases.save_case`), ``os.sync()`` (untimed). The pattern is the fastest one
-    measured on this VM's ext4, so the baseline is the strict one: rewriting one file ran at 1.2 GB/s
-    against 4.2 for new files (ext4 flushes a file truncated and written again when it is closed,
-    ``auto_da_alloc``); new files written front to back fell to 0.35 GB/s after a few (32-128 MiB), and
-    the same files with their first page written last kept 3-4 GB/s (fs writes an object's header last).
+    (:func:`kvbridge.bench.cases.save_case`), ``os.sync()`` (untimed). New files, as fs writes its objects
+    (header last): rewriting one file ran at 1.2 GB/s against 4.2 for new files (ext4 flushes a file
+    truncated and written again when it is closed, ``auto_da_alloc``). This VM's slow write stretches
+    (0.35 GB/s for tens of seconds) catch every pattern alike (README, *Writes on this VM*), which is why
+    this baseline takes turns with the store's own saves.
 
     A load reads one file written once, over and over, as a store's load case reads one saved prompt;
     with ``env["fresh"]`` (the case loads a prompt saved just before, as a chain's consumer does) it
