@@ -175,25 +175,30 @@ def measure(args: argparse.Namespace) -> list[Record]:
 
 @contextlib.contextmanager
 def third_party_output(path: str) -> Iterator[TextIO]:
-    """While measuring, file descriptor 2 goes to ``path``: LMCache's log lines, UCX's C-level errors and
-    child processes' stderr land there, not across the progress bar. Yields a stream on the real stderr
-    for kvbridge's own progress. Where stderr is no file descriptor (embedded), nothing is redirected."""
+    """While measuring, file descriptors 1 and 2 go to ``path``: LMCache's log lines, UCX's C-level
+    warnings and errors (UCX logs to stdout unless ``UCX_LOG_FILE`` says otherwise) and child processes'
+    output land there, not across the progress bar or the table. Yields a stream on the real stderr for
+    kvbridge's own progress. Where stderr is no file descriptor (embedded), nothing is redirected."""
     try:
+        sys.stdout.flush()
         sys.stderr.flush()
-        saved = os.dup(2)
+        saved = [os.dup(1), os.dup(2)]
     except (OSError, ValueError):
         yield sys.stderr
         return
-    ours = os.fdopen(os.dup(saved), "w", buffering=1)
+    ours = os.fdopen(os.dup(saved[1]), "w", buffering=1)
     with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         try:
             yield ours
         finally:
             with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
                 sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+            for fd, was in enumerate(saved, start=1):
+                os.dup2(was, fd)
+                os.close(was)
             ours.close()
 
 
