@@ -204,8 +204,10 @@ def test_mla_tp2_producer_writes_one_copy_a_tp1_consumer_loads(tmp_path: Path, m
     requests = [{**r, "max_tokens": 4} for r in _prompts(22)]
 
     def run(name: str, role: str, llm_args: dict[str, Any]) -> dict[str, Any]:
+        # CPU_MLA named: on a CPU with AMX vLLM would pick AMX_MLA, which refuses the tiny model's float32 weights
+        args = {"block_size": MLA_BLOCK, "attention_backend": "CPU_MLA", **llm_args}
         spec = {"model": str(model), "kv": kv_config("kvbridge.FSConnector", role, {"path": str(store)}),
-                "requests": requests, "multiprocess": True, "llm_args": {"block_size": MLA_BLOCK, **llm_args}}  # fmt: skip
+                "requests": requests, "multiprocess": True, "llm_args": args}  # fmt: skip
         return Engine(tmp_path / "engines", name, spec).result(timeout=600)["results"]
 
     made = run("producer-tp2", "kv_producer", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
