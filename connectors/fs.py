@@ -1040,10 +1040,11 @@ class FsStore(_Tree, StoreIO):
         ``file_start`` places each piece in its file from that. ``addressing``: where the blocks are, when
         not in the KV (a staging buffer: :func:`~kvbridge.layout.staged_addressing`)."""
         assert self._native is not None
-        addresses, lengths = (addressing or layout.addressing()).by_block(block_ids)
-        parts = len(lengths) // len(block_ids)  # pieces of a block
+        where = addressing or layout.addressing()
+        starts, lengths = where.first_block()  # file_start makes every block's pieces from block 0's (no numpy here)
         payload = layout.num_layers * layout.block_bytes
-        return self._native.file_start(runs, addresses, lengths, parts, write=write, cut_bytes=2 * payload)
+        return self._native.file_start(runs, starts, lengths, len(lengths), write=write, cut_bytes=2 * payload,
+                                       block_ids=block_ids, block_stride=where.block_stride)  # fmt: skip
 
     def _open_head(self, o: _Object, layout: KVLayout) -> bool:
         """Open the object holding the first ``o.head`` blocks of ``o``'s chunk; ``False`` if it cannot serve."""

@@ -200,6 +200,19 @@ class BlockAddressing:
         ids = np.asarray(block_ids, dtype=np.uint64).reshape(-1, 1, 1)  # [block, layer, piece]: no transposed copy
         return (ids * self._stride + self._starts).reshape(-1), self.lengths(len(ids))
 
+    def first_block(self) -> tuple[np.ndarray, np.ndarray]:
+        """Addresses and lengths (``uint64``, read-only) of block 0's pieces in :meth:`by_block`'s order:
+        block ``b``'s are its addresses plus ``b * block_stride``, its lengths the same. What a native call
+        takes instead of every block's (``kvbridge._ucp.file_start(block_ids=)``): no array per transfer."""
+        return self._first
+
+    @functools.cached_property
+    def _first(self) -> tuple[np.ndarray, np.ndarray]:
+        starts = self._starts.reshape(-1)
+        lengths = np.tile(self._lengths, len(self.bases))
+        starts.flags.writeable = lengths.flags.writeable = False
+        return starts, lengths
+
     # the tuples as arrays, made once (a load's addressing runs on the engine's thread)
     @functools.cached_property
     def _bases(self) -> np.ndarray:

@@ -382,6 +382,54 @@ def test_file_start_writes_blocks_to_their_files_with_their_checksums(tmp_path: 
 
 
 @pytest.mark.parametrize("cut_bytes", [8 << 20, 1 << 10], ids=["one-thread", "cut"])
+def test_file_start_makes_each_blocks_pieces_from_block_ids_and_block_zeros(tmp_path: Any, cut_bytes: int) -> None:
+    """``block_ids=``, ``block_stride=``: ``addresses`` and ``lengths`` are block 0's pieces (three layers
+    of a strided KV), and every block's are made from them: a write of scattered block ids then a read of
+    them into other ids land bit-exact, the file and the sums the same as with every block's addresses
+    given (``BlockAddressing.by_block``); numpy's ids work too; bad ids and shapes are named errors."""
+    from kvbridge.layout import BlockAddressing
+
+    if not ucp.HAS_CRC32C:
+        pytest.skip("no SSE4.2 here")
+    rng = np.random.default_rng(14)
+    kv = rng.integers(0, 256, 3 * 40 * 1024, dtype=np.uint8)  # three layers of 40 blocks of 1 KiB
+    base = kv.ctypes.data
+    addressing = BlockAddressing((base, base + 40 * 1024, base + 80 * 1024), 1024, ((0, 400), (400, 624)))
+    starts, lengths = addressing.first_block()
+    ids = [7, 3, 31, 12]
+    fds = [os.open(tmp_path / name, os.O_RDWR | os.O_CREAT, 0o644) for name in ("ours", "theirs")]
+    try:
+        runs = [(fds[0], 4096, 4)]
+        got = ucp.file_start(runs, starts, lengths, 6, write=True, cut_bytes=cut_bytes, block_ids=ids,
+                             block_stride=1024).checked()  # fmt: skip
+        at, every = addressing.by_block(ids)
+        want = ucp.file_start([(fds[1], 4096, 4)], at, every, 6, write=True, cut_bytes=cut_bytes).checked()
+        assert got == want and got[1:] == (4, 0)
+        assert (tmp_path / "ours").read_bytes() == (tmp_path / "theirs").read_bytes()
+        before = kv.copy()
+        into = np.array([0, 39, 20, 5])  # numpy's integers, read back into other blocks
+        sums, whole, err = ucp.file_start(runs, starts, lengths, 6, cut_bytes=cut_bytes, block_ids=into,
+                                          block_stride=1024).checked()  # fmt: skip
+        assert (sums, whole, err) == (got[0], 4, 0)
+        layers = kv.reshape(3, 40, 1024)
+        old = before.reshape(3, 40, 1024)
+        assert np.array_equal(layers[:, into], old[:, ids])
+        untouched = [b for b in range(40) if b not in into.tolist()]
+        assert np.array_equal(layers[:, untouched], old[:, untouched])
+        with pytest.raises(ValueError, match="negative"):
+            ucp.file_start(runs, starts, lengths, 6, block_ids=[1, -2, 3, 4], block_stride=1024)
+        with pytest.raises(ValueError, match="one block's 6 pieces, not 5"):
+            ucp.file_start(runs, starts[:5], lengths[:5], 6, block_ids=ids, block_stride=1024)
+        with pytest.raises(TypeError):
+            ucp.file_start(runs, starts, lengths, 6, block_ids=[1.5, 2, 3, 4], block_stride=1024)
+        with pytest.raises(ValueError, match="past the 3 blocks described"):
+            ucp.file_start(runs, starts, lengths, 6, block_ids=ids[:3], block_stride=1024)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("cut_bytes", [8 << 20, 1 << 10], ids=["one-thread", "cut"])
 def test_cma_start_with_parts_checks_each_block_where_it_landed(cut_bytes: int) -> None:
     """``parts=``: blocks of scattered pieces copied within this process, each block's crc32c taken where
     it landed; the copy bit-exact, every sum the native crc32c of the destination's block."""
