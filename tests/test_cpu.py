@@ -381,3 +381,17 @@ def test_a_layerwise_load_of_a_slot_that_lost_its_key_fails_from_there():
         assert got.reoffered == 0
     finally:
         e.close()
+
+
+def test_pin_counts_count_a_slot_named_twice_twice() -> None:
+    """The cpu index's pin counts move by one per slot named, repeats included (a request whose holds name a
+    slot twice unpins it twice), and only the slots named move."""
+    from kvbridge.connectors.cpu import _count
+
+    pins = [0] * 6
+    _count(pins, [1, 4, 1], 1)
+    assert pins == [0, 2, 0, 0, 1, 0]
+    _count(pins, (1, 4), -1)
+    assert pins == [0, 1, 0, 0, 0, 0]
+    _count(pins, [], 1)
+    assert pins == [0, 1, 0, 0, 0, 0]
