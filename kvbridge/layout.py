@@ -209,9 +209,8 @@ class BlockAddressing:
     @functools.cached_property
     def _first(self) -> tuple[np.ndarray, np.ndarray]:
         starts = self._starts.reshape(-1)
-        lengths = np.tile(self._lengths, len(self.bases))
-        starts.flags.writeable = lengths.flags.writeable = False
-        return starts, lengths
+        starts.flags.writeable = False
+        return starts, self.lengths(1)
 
     # the tuples as arrays, made once (a load's addressing runs on the engine's thread)
     @functools.cached_property

@@ -420,7 +420,7 @@ def test_file_start_makes_each_blocks_pieces_from_block_ids_and_block_zeros(tmp_
             ucp.file_start(runs, starts, lengths, 6, block_ids=[1, -2, 3, 4], block_stride=1024)
         with pytest.raises(ValueError, match="one block's 6 pieces, not 5"):
             ucp.file_start(runs, starts[:5], lengths[:5], 6, block_ids=ids, block_stride=1024)
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError, match="cannot be interpreted as an integer"):
             ucp.file_start(runs, starts, lengths, 6, block_ids=[1.5, 2, 3, 4], block_stride=1024)
         with pytest.raises(ValueError, match="past the 3 blocks described"):
             ucp.file_start(runs, starts, lengths, 6, block_ids=ids[:3], block_stride=1024)

@@ -50,7 +50,12 @@ def _vllm(connector: str, role: str, extra: dict[str, Any]) -> dict[str, Any]:
     return {"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
 
 
-SHARED = ("kvbridge fs", "vLLM ExampleConnector")  # the shared-storage pairs, producer then consumer
+# the shared-storage pairs: each one's config for a role and a directory
+PAIRS = {
+    "kvbridge fs": lambda role, folder: kv_config("kvbridge.FSConnector", role, {"path": folder}),
+    "vLLM ExampleConnector": lambda role, folder: _vllm("ExampleConnector", role, {"shared_storage_path": folder}),
+}
+SHARED = tuple(PAIRS)
 OFFLOAD = ("kvbridge cpu", "vLLM OffloadingConnector")
 
 
@@ -80,25 +85,16 @@ def measure(work: Path, *, tokens: int = 1500, prompts: int = 4, layers: int = 2
 
     def pair(label: str, r: int) -> dict[str, Any]:
         """One shared-storage pair of round ``r``: its producer, then its consumer, in a directory of their own."""
-        folder = str(work / f"{label.split()[-1].lower()}-r{r}")
-        if label == "kvbridge fs":
-            made, read = (
-                kv_config("kvbridge.FSConnector", role, {"path": folder}) for role in ("kv_producer", "kv_consumer")
-            )
-        else:
-            made, read = (
-                _vllm("ExampleConnector", role, {"shared_storage_path": folder})
-                for role in ("kv_producer", "kv_consumer")
-            )
         tag = f"{label}-r{r}".replace(" ", "_")
+        made, read = (PAIRS[label](role, str(work / tag)) for role in ("kv_producer", "kv_consumer"))
         return {
             "producer": run(f"{tag}-producer", made, warm + first),
             "consumer": run(f"{tag}-consumer", read, warm + first),
         }
 
     runs: list[dict[str, Any]] = []
+    jobs = ["plain", *SHARED]
     for r in range(rounds):
-        jobs = ["plain", *SHARED]
         got: dict[str, Any] = {}
         for job in jobs[r % len(jobs) :] + jobs[: r % len(jobs)]:  # rotated: no connector always runs first
             got[job] = run(f"plain-r{r}", None, warm + first + again) if job == "plain" else pair(job, r)
@@ -186,6 +182,8 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="also write every result here")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvbridge-peers-"))
     out = measure(
         work, tokens=args.tokens, prompts=args.prompts, layers=args.layers, kv_heads=args.kv_heads, rounds=args.rounds
