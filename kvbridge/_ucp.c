@@ -15,8 +15,10 @@
  *   file_start(runs, addresses, lengths, parts,  blocks read (or written) and checked on the native
  *              write=False, cut_bytes,           threads -> CmaRead (.checked(): sums, blocks whole, errno);
  *              block_ids=None, block_stride=0)   block_ids: addresses, lengths are block 0's pieces
- *   Context(tls=None, progress_thread=False)     one ucp context + one worker, guarded by one mutex
- *     .address .map() .connect() .progress() .close()
+ *   Context(tls=None, progress_thread=False,     one ucp context + one worker, guarded by one mutex;
+ *           config=None, optional=())            config: UCX options set before ucp_init (the user's
+ *     .address .config .config_text              UCX_<name> wins), optional: keys this UCX may lack
+ *     .map() .connect() .progress() .close()
  *   Region    (.rkey .address .length .memory_type .close())
  *   Endpoint  (.add_rkey() .get() .put() .failed .info() .close())
  *
@@ -1176,6 +1178,8 @@ typedef struct ContextObject {
     pthread_t thread;
     atomic_int stop;
     PyObject *address;     /* bytes, read once */
+    PyObject *config;      /* dict: key -> value kvbridge set (Context(config=)), the user's and absent ones aside */
+    PyObject *config_text; /* str: ucp_config_print of the configuration ucp_init was given */
     ChildObject *children;
 } ContextObject;
 
@@ -1234,7 +1238,54 @@ static void *progress_main(void *arg) {
     return NULL;
 }
 
-static int ctx_start(ContextObject *c, const char *tls) {
+/* One UCX option for the context, from Context(config=...).  `key` is the name without the UCX_ prefix. */
+typedef struct {
+    const char *key, *value;
+    int optional; /* a key this UCX may not know (its module absent): refused, it is left out, not an error */
+    int state;    /* CFG_SET, CFG_USER (the user's UCX_<key> wins), CFG_ABSENT (optional, refused) */
+} cfg_item;
+
+enum { CFG_SET, CFG_USER, CFG_ABSENT };
+
+/* Apply the options to cfg before ucp_init.  A key whose UCX_<key> variable the user set is skipped: the
+ * environment is how an operator overrides kvbridge, so it must win.  ucp_config_modify answers "Invalid
+ * parameter" both for an unknown key and for a bad value; an optional key is one kvbridge sets to a value
+ * it knows is valid, so there the refusal can only mean that the module owning the key is not loaded
+ * (e.g. CUDA_IPC_* without libcuda): it is recorded, not raised. */
+static int cfg_apply(ucp_config_t *cfg, cfg_item *items, Py_ssize_t n) {
+    char env[256];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        snprintf(env, sizeof(env), "UCX_%s", items[i].key);
+        if (getenv(env) != NULL) {
+            items[i].state = CFG_USER;
+            continue;
+        }
+        ucs_status_t st = ucp_config_modify(cfg, items[i].key, items[i].value);
+        if (st == UCS_OK) items[i].state = CFG_SET;
+        else if (items[i].optional) items[i].state = CFG_ABSENT;
+        else {
+            PyErr_Format(PyExc_ValueError, "UCX option %s=%s: %s", items[i].key, items[i].value, ucs_status_string(st));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* What ucp_config_print shows of cfg (its own keys, then the transport keys it holds for ucp_init):
+ * how a caller reads back that an option reached UCX. */
+static PyObject *cfg_text(ucp_config_t *cfg) {
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    if (!f) return PyErr_SetFromErrno(PyExc_OSError);
+    ucp_config_print(cfg, f, NULL, UCS_CONFIG_PRINT_CONFIG);
+    fclose(f);
+    PyObject *s = PyUnicode_DecodeUTF8(buf ? buf : "", (Py_ssize_t)len, "replace");
+    free(buf);
+    return s;
+}
+
+static int ctx_start(ContextObject *c, const char *tls, cfg_item *items, Py_ssize_t nitems) {
     ucp_config_t *cfg;
     ucs_status_t st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) return ucs_error(PyExc_RuntimeError, "ucp_config_read", st), -1;
@@ -1242,6 +1293,10 @@ static int ctx_start(ContextObject *c, const char *tls) {
     if (st != UCS_OK) {
         ucp_config_release(cfg);
         return ucs_error(PyExc_RuntimeError, "ucp_config_modify(TLS)", st), -1;
+    }
+    if (cfg_apply(cfg, items, nitems) < 0 || !(c->config_text = cfg_text(cfg))) {
+        ucp_config_release(cfg);
+        return -1;
     }
     ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP};
     Py_BEGIN_ALLOW_THREADS
@@ -1285,19 +1340,74 @@ static void ctx_stop_thread(ContextObject *c) {
     c->have_thread = 0;
 }
 
+/* Context(config=, optional=): the mapping's items as cfg_items; `keep` holds the str objects they point
+ * into.  Returns the count, or -1 with the error set. */
+static Py_ssize_t cfg_parse(PyObject *config, PyObject *optional, PyObject **keep, cfg_item **out) {
+    *keep = NULL;
+    *out = NULL;
+    if (config == Py_None) return 0;
+    if (!PyMapping_Check(config)) return PyErr_SetString(PyExc_TypeError, "config: expected a mapping of str to str"), -1;
+    PyObject *items = PyMapping_Items(config);
+    if (!items) return -1;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    cfg_item *v = calloc((size_t)(n ? n : 1), sizeof(*v));
+    if (!v) return Py_DECREF(items), PyErr_NoMemory(), -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *kv = PyList_GET_ITEM(items, i), *k = PyTuple_GET_ITEM(kv, 0), *val = PyTuple_GET_ITEM(kv, 1);
+        if (!PyUnicode_Check(k) || !PyUnicode_Check(val)) {
+            PyErr_SetString(PyExc_TypeError, "config: expected a mapping of str to str");
+            goto fail;
+        }
+        v[i].key = PyUnicode_AsUTF8(k);
+        v[i].value = PyUnicode_AsUTF8(val);
+        if (!v[i].key || !v[i].value) goto fail;
+        if (!v[i].key[0] || strncmp(v[i].key, "UCX_", 4) == 0 || strlen(v[i].key) > 200) {
+            PyErr_Format(PyExc_ValueError, "config: '%s' is not a UCX option name (no UCX_ prefix)", v[i].key);
+            goto fail;
+        }
+        int opt = optional != Py_None ? PySequence_Contains(optional, k) : 0;
+        if (opt < 0) goto fail;
+        v[i].optional = opt;
+    }
+    *keep = items;
+    *out = v;
+    return n;
+fail:
+    Py_DECREF(items);
+    free(v);
+    return -1;
+}
+
+static PyObject *cfg_applied(const cfg_item *items, Py_ssize_t n) {
+    PyObject *d = PyDict_New();
+    for (Py_ssize_t i = 0; d && i < n; i++) {
+        if (items[i].state != CFG_SET) continue;
+        PyObject *v = PyUnicode_FromString(items[i].value);
+        if (!v || PyDict_SetItemString(d, items[i].key, v) < 0) Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
 static PyObject *context_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"tls", "progress_thread", NULL};
+    static char *kwlist[] = {"tls", "progress_thread", "config", "optional", NULL};
     const char *tls = NULL;
     int thread = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zp", kwlist, &tls, &thread)) return NULL;
+    PyObject *config = Py_None, *optional = Py_None, *keep = NULL;
+    cfg_item *items = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|zpOO", kwlist, &tls, &thread, &config, &optional)) return NULL;
+    if (optional != Py_None && !PySequence_Check(optional))
+        return PyErr_SetString(PyExc_TypeError, "optional: expected a sequence of option names"), NULL;
+    Py_ssize_t nitems = cfg_parse(config, optional, &keep, &items);
+    if (nitems < 0) return NULL;
     ContextObject *c = (ContextObject *)type->tp_alloc(type, 0);
-    if (!c) return NULL;
+    if (!c) goto fail;
     c->efd = -1;
     pthread_mutex_init(&c->lock, NULL);
     pthread_cond_init(&c->idle, NULL);
     atomic_init(&c->stop, 0);
     c->state = CTX_CLOSING; /* until started: dealloc then only destroys what exists */
-    if (ctx_start(c, tls) < 0) goto fail;
+    if (ctx_start(c, tls, items, nitems) < 0 || !(c->config = cfg_applied(items, nitems))) goto fail;
     if (thread) {
         int err = pthread_create(&c->thread, NULL, progress_main, c);
         if (err) {
@@ -1308,9 +1418,13 @@ static PyObject *context_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
         c->have_thread = 1;
     }
     c->state = CTX_OPEN;
+    Py_XDECREF(keep);
+    free(items);
     return (PyObject *)c;
 fail:
-    Py_DECREF(c);
+    Py_XDECREF(c);
+    Py_XDECREF(keep);
+    free(items);
     return NULL;
 }
 
@@ -1372,6 +1486,8 @@ static void context_dealloc(ContextObject *c) {
     }
     PyErr_Restore(et, ev, tb);
     Py_XDECREF(c->address);
+    Py_XDECREF(c->config);
+    Py_XDECREF(c->config_text);
     pthread_cond_destroy(&c->idle);
     pthread_mutex_destroy(&c->lock);
     Py_TYPE(c)->tp_free((PyObject *)c);
@@ -1394,6 +1510,8 @@ static PyObject *context_address(ContextObject *c, void *closure) {
 }
 
 static PyObject *context_closed(ContextObject *c, void *closure) { return PyBool_FromLong(c->state != CTX_OPEN); }
+static PyObject *context_config(ContextObject *c, void *closure) { return PyDict_Copy(c->config); }
+static PyObject *context_config_text(ContextObject *c, void *closure) { return Py_NewRef(c->config_text); }
 
 static PyObject *context_progress(ContextObject *c, PyObject *unused) {
     unsigned n = 0;
@@ -2009,6 +2127,8 @@ static PyMethodDef context_methods[] = {
 static PyGetSetDef context_getset[] = {
     {"address", (getter)context_address, NULL, "this worker's address (bytes), for the peer's connect()", NULL},
     {"closed", (getter)context_closed, NULL, "True once close() has begun", NULL},
+    {"config", (getter)context_config, NULL, "the config= options set (the user's UCX_* and absent ones aside)", NULL},
+    {"config_text", (getter)context_config_text, NULL, "ucp_config_print of what ucp_init was given", NULL},
     {NULL}};
 
 static PyMethodDef region_methods[] = {
@@ -2040,7 +2160,9 @@ static PyGetSetDef endpoint_getset[] = {
 
 static PyTypeObject ContextType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvbridge._ucp.Context",
-    .tp_doc = "Context(tls=None, progress_thread=False): a ucp context with one serialized worker",
+    .tp_doc = "Context(tls=None, progress_thread=False, config=None, optional=()): a ucp context with one serialized "
+              "worker; config: UCX options (names without UCX_) set before ucp_init unless the user set UCX_<name>; "
+              "optional: those of them this UCX may not know (a refused one is left out)",
     .tp_basicsize = sizeof(ContextObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = context_new,
