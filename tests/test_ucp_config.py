@@ -26,12 +26,12 @@ def printed(ctx: Any, key: str) -> str | None:
 
 def test_options_reach_ucx_and_the_users_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("UCX_TCP_SNDBUF", raising=False)
-    monkeypatch.setenv("UCX_MAX_EAGER_LANES", "2")
-    ctx = ucp.Context(tls="tcp", config={"TCP_SNDBUF": "1m", "MAX_EAGER_LANES": "3"})
+    monkeypatch.setenv("UCX_MAX_EAGER_RAILS", "2")
+    ctx = ucp.Context(tls="tcp", config={"TCP_SNDBUF": "1m", "MAX_EAGER_RAILS": "3"})
     try:
         assert ctx.config == {"TCP_SNDBUF": "1m"}  # the user's variable kept its value
         assert printed(ctx, "TCP_SNDBUF") == "1m"
-        assert printed(ctx, "MAX_EAGER_LANES") == "2"
+        assert printed(ctx, "MAX_EAGER_RAILS") == "2"
     finally:
         ctx.close()
 
