@@ -16,7 +16,7 @@ import torch
 
 from kvbridge import native
 
-ucp, why = native.load()
+ucp, why = native.load_ucp()
 assert ucp is not None, why
 nbytes = 64 << 20
 peer = subprocess.Popen([sys.executable, "tests/native_peer.py", "--bytes", str(nbytes), "--cuda"],

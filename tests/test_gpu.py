@@ -100,7 +100,7 @@ def test_every_layout_through_fs_with_a_cuda_kv_cache(layout: dict, tmp_path: Pa
 def test_native_get_from_gpu_memory_of_another_process() -> None:
     from kvbridge import native
 
-    ucp, why = native.load()
+    ucp, why = native.load_ucp()
     if ucp is None:
         pytest.skip(why)
     nbytes = 64 << 20

@@ -11,8 +11,8 @@ import pytest
 
 from kvbridge import native
 
-ucp: Any = native.load()[0]
-pytestmark = pytest.mark.skipif(ucp is None, reason=f"kvbridge._ucp: {native.load()[1]}")
+ucp: Any = native.load_ucp()[0]
+pytestmark = pytest.mark.skipif(ucp is None, reason=f"kvbridge._ucp: {native.load_ucp()[1]}")
 
 
 def printed(ctx: Any, key: str) -> str | None:
