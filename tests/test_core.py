@@ -124,7 +124,9 @@ def test_the_core_loads_without_ucx() -> None:
             "assert n == a.nbytes and (a == b).all()\n"
             "assert 'libucx' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
             "print(native.describe())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # PYTHONSAFEPATH: the kvbridge this test imported, not a source tree in the working directory
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("core: kvbridge._core") and "ucp: unavailable: libucx is not importable" in out.stdout
 
