@@ -295,7 +295,7 @@ def measure(
 def measure_ours_cpu(point: Point, reps: int) -> dict[str, Timing]:
     """``save`` and ``load`` of ``point`` through kvbridge's ``lmcache`` tier on LMCache's CPU arena alone, timed
     as the bench times every store (its store cases; the first load checked byte for byte)."""
-    from kvbridge.bench.cases import Pair, load_case, save_case
+    from kvbridge.bench.pairs import Pair, load_case, save_case
     from kvbridge.connectors.lmcache import LMCacheBackend, LMCacheOptions
     from kvbridge.testing.engine import Target
 
@@ -313,7 +313,7 @@ def measure_ours_chain(point: Point, reps: int) -> dict[str, Timing]:
     engines, every load a prompt saved just before (the bench's store cases, the first load checked byte
     for byte)."""
     from kvbridge import registry
-    from kvbridge.bench.cases import Pair, load_case, save_case
+    from kvbridge.bench.pairs import Pair, load_case, save_case
     from kvbridge.testing.engine import Target
 
     root = Path(tempfile.mkdtemp(prefix="kvbridge-bench-chain-lmcache-"))

@@ -6,7 +6,7 @@ and by the bare medium, measured in the same run.
 The request is a bench :class:`~kvbridge.bench.core.Point` (Llama-3-8B: 32 layers x 8 KV heads x 128, bf16,
 block 16, blocks_first, so one block of one layer is 64 KiB contiguous; 1024 tokens = 64 blocks x 32 layers
 = 2048 descriptors = 128 MiB), with the block ids the ``ucx`` case uses: a random permutation of the
-producer's and of the consumer's free blocks (seeds 1 and 2, as :class:`~kvbridge.bench.cases.Pair`).
+producer's and of the consumer's free blocks (seeds 1 and 2, as :class:`~kvbridge.bench.pairs.Pair`).
 A producer process holds the KV; a consumer process reads the request's blocks out of it. Both are fresh
 children (:mod:`kvbridge.bench._peer_child`), so each system brings its own UCX (NIXL ships one) and
 ``UCX_TLS``, and the bench's own UCX runtime is untouched. The consumer fills its destination with a

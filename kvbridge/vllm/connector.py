@@ -18,7 +18,7 @@ Configuration (``--kv-transfer-config``)::
 ``backend`` (only for :class:`KVBridgeConnector`: the registry name), ``namespace`` (replaces the
 default namespace derived from the model, e.g. for engines loading one model from different paths),
 and ``directory`` / ``advertise_url`` / ``directory_ttl_s`` (publish the engine's prefix cache for a
-cache-aware router: :mod:`kvbridge.vllm.publishing`).
+cache-aware router: :mod:`kvbridge.serving.publishing`).
 
 Mapping, in vLLM's call order:
 
@@ -76,8 +76,8 @@ from kvbridge.contract import (
 from kvbridge.errors import ConfigError, MissingDependency
 from kvbridge.keys import block_keys
 from kvbridge.layout import KVLayout
+from kvbridge.serving.publishing import CachePublisher, PublishOptions
 from kvbridge.stats import TransferStats
-from kvbridge.vllm.publishing import CachePublisher, PublishOptions
 
 log = logging.getLogger(__name__)
 
@@ -381,7 +381,7 @@ class SchedulerAdapter:
     def __init__(self, side: SchedulerSide, engine: EngineInfo, publisher: CachePublisher | None = None):
         self.side = side
         self.engine = engine
-        self.publisher = publisher  # the prefix cache, published for routers (kvbridge.vllm.publishing)
+        self.publisher = publisher  # the prefix cache, published for routers (kvbridge.serving.publishing)
         self.counters = _Counters(side)
         self._groups = len(engine.kv_groups) or 1
         self._requests: dict[str, RequestInfo] = {}

@@ -1,7 +1,7 @@
 """``kvbridge simulate``: what disaggregating prefill and decode buys and costs, before buying the GPUs.
 
-``--preset toy-go`` is the published toy simulation that motivates P/D disaggregation (kvbridge/bench/sim_toy.py),
-reproducing its table; the default is an engine model (kvbridge/bench/sim_model.py): continuous batching, decode
+``--preset toy-go`` is the published toy simulation that motivates P/D disaggregation (kvbridge/simulate/toy.py),
+reproducing its table; the default is an engine model (kvbridge/simulate/model.py): continuous batching, decode
 steps costing a fixed + per-sequence + per-context-token time, prefill a time per token, a KV capacity, chunked
 prefill, xP:yD pools and the KV hand-off measured by ``kvbridge bench --json`` (``--from-bench``) over a link
 shared by the transfers in flight. Every figure is a median over ``--seeds`` runs with a 95% interval;
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.bench import sim_inputs as inp
-from kvbridge.bench import sim_toy
-from kvbridge.bench.sim_model import KV_BYTES_PER_TOKEN, EngineModel, HandOff, Layout, Result, Workload, make_requests
-from kvbridge.bench.sim_model import simulate as simulate_engine
-from kvbridge.bench.sim_stats import Slo, gaps, goodput, metrics, summarize
 from kvbridge.errors import ConfigError
+from kvbridge.simulate import inputs as inp
+from kvbridge.simulate import toy as sim_toy
+from kvbridge.simulate.model import KV_BYTES_PER_TOKEN, EngineModel, HandOff, Layout, Result, Workload, make_requests
+from kvbridge.simulate.model import simulate as simulate_engine
+from kvbridge.simulate.stats import Slo, gaps, goodput, metrics, summarize
 
 PRESETS = {"default": Workload(), "toy-go": sim_toy.WORKLOAD}
 SEEDS = {"default": 10, "toy-go": 100}
@@ -362,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump(doc, f, indent=1, allow_nan=False)
         print(f"\nwrote {args.json}", file=out)
     if args.plot:
-        from kvbridge.bench.sim_plot import plot
+        from kvbridge.simulate.plot import plot
 
         kv = ", ".join(
             f"{h.name} {h.fixed_ms:.3g} ms + {h.gbps:.3g} GB/s"

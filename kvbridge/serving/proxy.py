@@ -22,7 +22,7 @@ Other routes, so the proxy stands in for a vLLM server (benchmark clients probe 
 ``GET /metrics``: the proxy's own counters in Prometheus text format.
 
 ``--directory URL`` (``redis://HOST:PORT/DB`` or ``grpc://HOST:PORT``): cache-aware routing from what
-the engines publish (:class:`~kvbridge.vllm.routing.DirectoryView`). The proxy then asks an engine's
+the engines publish (:class:`~kvbridge.serving.routing.DirectoryView`). The proxy then asks an engine's
 ``/tokenize`` for each prompt's tokens (chat requests through the chat template, as the engine will)
 and the directory who holds them: two calls on the request path, timed in ``/metrics``
 (``tokenize_seconds``, ``directory_seconds``). ``--tokenizer PATH`` (the engines' tokenizer, loaded with
@@ -49,7 +49,7 @@ from typing import Any
 
 from kvbridge.addresses import parse_host_port, parse_http_url
 from kvbridge.errors import ConfigError
-from kvbridge.vllm.routing import POLICIES, DirectoryView, Held, MetricsPoller, Router
+from kvbridge.serving.routing import POLICIES, DirectoryView, Held, MetricsPoller, Router
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class Metrics:
 
 class ProxyServer(ThreadingHTTPServer):
     """The proxy's HTTP server: P/D (``prefill`` + ``decode`` pools) or plain ``replicas``, each pool routed
-    by a :class:`~kvbridge.vllm.routing.Router` under ``policy``."""
+    by a :class:`~kvbridge.serving.routing.Router` under ``policy``."""
 
     daemon_threads = True
 
@@ -529,7 +529,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica", action="append", default=[], type=url, metavar="URL",
                         help="a plain (not disaggregated) server, instead of --prefill/--decode (repeatable)")
     parser.add_argument("--policy", choices=POLICIES, default="cache-aware",
-                        help="how an upstream is picked (default %(default)s; see kvbridge.vllm.routing)")
+                        help="how an upstream is picked (default %(default)s; see kvbridge.serving.routing)")
     parser.add_argument("--directory", default=None, metavar="URL", type=checked(_directory_url),
                         help="route cache-aware from what engines publish to this block directory "
                              "(redis://HOST:PORT/DB or grpc://HOST:PORT; each engine sets advertise_url)")  # fmt: skip

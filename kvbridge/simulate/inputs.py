@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.bench.sim_model import EngineModel, HandOff
+from kvbridge.simulate.model import EngineModel, HandOff
 
 Bad = argparse.ArgumentTypeError
 

@@ -1,6 +1,6 @@
 """kvbridge's stores beside vLLM's own connectors, in real engines, on the same prompts and the same hand-off.
 
-    .venv-vllm/bin/python tests/vllm/peers_bench.py [--tokens 1500] [--prompts 4] [--layers 2] [--kv-heads 2]
+    .venv-vllm/bin/python benches/vllm/peers_bench.py [--tokens 1500] [--prompts 4] [--layers 2] [--kv-heads 2]
                                                     [--rounds 3] [--workdir DIR] [--json OUT]
 
 - **Shared storage**: a producer engine prefills every prompt (one token) through the connector into a

@@ -3,7 +3,7 @@ each policy in the same run (one after the other, fresh replicas each time). ``d
 from what the replicas publish (vLLM's own KV-cache events, kept in a Redis that the run starts by a
 ``kvbridge publish`` beside each replica) instead of the proxy's own record of where it sent each prompt.
 
-    .venv-vllm/bin/python tests/vllm/routing_bench.py [--prompts 64] [--prefixes 8] [--prefix-len 384] [--rate 4]
+    .venv-vllm/bin/python benches/vllm/routing_bench.py [--prompts 64] [--prefixes 8] [--prefix-len 384] [--rate 4]
 
 The workload is vLLM's own benchmark client with its ``prefix_repetition`` dataset: ``--prefixes`` long
 "system prompts" of ``--prefix-len`` tokens, each request one of them plus its own ``--suffix-len``
@@ -30,7 +30,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE))
+VLLM_TESTS = ROOT / "tests" / "vllm"  # pdkit, and the helpers/ processes
+sys.path[:0] = [str(HERE), str(VLLM_TESTS)]
 from pd_serve_bench import Layout, client_result, fmt, free_port  # noqa: E402
 from pdkit import engine_env, make_tiny_llama  # noqa: E402
 
@@ -41,7 +42,7 @@ POLICIES = ("round-robin", "least-loaded", "cache-aware", "directory")
 
 def metrics_page(port: int) -> dict[str, float]:
     """A server's (a replica's or the proxy's) ``/metrics``, summed over label sets."""
-    from kvbridge.vllm.routing import parse_prometheus
+    from kvbridge.serving.routing import parse_prometheus
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -91,7 +92,7 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path, model: Path) -
         print(f"[{policy}] replicas healthy in {lay.wait_healthy():.0f} s", flush=True)
         before = [prefix_counters(lay.ports[n]) for n in ("a", "b")]
         log = work / f"bench-{policy}.log"
-        client = [sys.executable, str(HERE / "bench_client.py"), "--backend", "vllm",
+        client = [sys.executable, str(VLLM_TESTS / "helpers" / "bench_client.py"), "--backend", "vllm",
                   "--base-url", f"http://127.0.0.1:{port}", "--model", "tiny", "--tokenizer", str(model),
                   "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
                   "--prefix-repetition-suffix-len", str(args.suffix_len),
@@ -156,7 +157,7 @@ def main() -> None:
     import vllm
 
     header = [
-        "# " + " ".join([".venv-vllm/bin/python", "tests/vllm/routing_bench.py", *sys.argv[1:]]),
+        "# " + " ".join([".venv-vllm/bin/python", "benches/vllm/routing_bench.py", *sys.argv[1:]]),
         f"# {date0}, {os.cpu_count()} CPUs ({platform.machine()}), load at start {load0:.2f}; vllm {vllm.__version__},"
         f" Python {platform.python_version()}, tree at {rev}",
         f"# workload: vllm.benchmarks.serve prefix_repetition dataset, {args.prompts} prompts, {args.prefixes} prefixes of"

@@ -1,5 +1,5 @@
 """An engine's prefix cache, published to a block directory so that a router sends prompts where their
-prefix already is (``kvbridge proxy --directory URL``, :class:`~kvbridge.vllm.routing.DirectoryView`).
+prefix already is (``kvbridge proxy --directory URL``, :class:`~kvbridge.serving.routing.DirectoryView`).
 
 Configured in ``kv_connector_extra_config`` (the adapter's own keys, beside ``backend`` and
 ``namespace``; every one checked at start-up)::
@@ -237,7 +237,7 @@ class KVEventFeed:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from kvbridge.vllm.proxy import checked, positive_seconds
+    from kvbridge.serving.proxy import checked, positive_seconds
 
     parser.description = ("Follow a vLLM engine's KV-cache events (--kv-events-config with the zmq publisher) and keep "
                           "its prefix cache published in a block directory for kvbridge proxy --directory.")  # fmt: skip

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from kvbridge.bench.sim_model import HandOff, Layout, Requests, Result, Workload, _Link
+from kvbridge.simulate.model import HandOff, Layout, Requests, Result, Workload, _Link
 
 PREFILL_S_PER_TOKEN = 1e-4
 DECODE_STEP_S = 5e-3

@@ -1,6 +1,6 @@
 """Measure time to first token of prompts whose KV an engine loads from an fs store vs prompts it recomputes.
 
-    .venv-vllm/bin/python tests/vllm/ttft.py [--tokens 1500] [--prompts 4] [--layout single|multi|core|both|all]
+    .venv-vllm/bin/python benches/vllm/ttft.py [--tokens 1500] [--prompts 4] [--layout single|multi|core|both|all]
         [--block-size 32] [--max-tokens 1] [--batch] [--busy N] [--text] [--async-scheduling on|off]
         [--baseline miss|plain] [--env K=V ...] [--workdir DIR] [--json OUT]
 

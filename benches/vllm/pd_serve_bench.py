@@ -1,6 +1,6 @@
 """vLLM's own serving benchmark against colocated, fs P/D and ucx P/D, one layout after the other.
 
-    .venv-vllm/bin/python tests/vllm/pd_serve_bench.py [--prompts 32] [--input-len 200] [--output-len 16] [--rate 4]
+    .venv-vllm/bin/python benches/vllm/pd_serve_bench.py [--prompts 32] [--input-len 200] [--output-len 16] [--rate 4]
 
 Each layout starts its servers (``python -m vllm.entrypoints.openai.api_server`` with the tiny Llama of
 pdkit.py), runs the same ``bench_client.py`` workload (random dataset, fixed seed) and stops them before the
@@ -32,7 +32,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE))
+VLLM_TESTS = ROOT / "tests" / "vllm"  # pdkit, and the helpers/ processes
+sys.path[:0] = [str(HERE), str(VLLM_TESTS)]
 from pdkit import engine_env, make_tiny_llama  # noqa: E402
 
 SERVER_START_S = 600
@@ -186,7 +187,7 @@ class Layout:
 
 
 def start_client(port: int, args: argparse.Namespace, model: Path, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, str(HERE / "bench_client.py"), "--backend", "vllm",
+    cmd = [sys.executable, str(VLLM_TESTS / "helpers" / "bench_client.py"), "--backend", "vllm",
            "--base-url", f"http://127.0.0.1:{port}", "--model", "tiny", "--tokenizer", str(model),
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--ignore-eos", "--num-prompts", str(args.prompts),
@@ -318,7 +319,7 @@ def main() -> None:
         rev = "?"
     import vllm
 
-    cmd = " ".join([".venv-vllm/bin/python", "tests/vllm/pd_serve_bench.py", *sys.argv[1:]])
+    cmd = " ".join([".venv-vllm/bin/python", "benches/vllm/pd_serve_bench.py", *sys.argv[1:]])
     header = [
         f"# {cmd}",
         f"# {date0}, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}),"

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvbridge.bench.sim_model import Result
+from kvbridge.simulate.model import Result
 
 
 @dataclasses.dataclass(frozen=True)
