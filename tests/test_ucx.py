@@ -329,7 +329,7 @@ producer.close(); consumer.close()
 
 def test_an_idle_pair_costs_almost_no_cpu() -> None:
     """A producer and a consumer with nothing to do sleep (ucxx's polling completion spun a core of the
-    engine's). Measured here: ~2% of a core for both; the bound only catches a busy loop (~100%)."""
+    engine's). An idle pair uses a few percent of a core; the bound only catches a busy loop (~100%)."""
     import os
     import subprocess
     import sys

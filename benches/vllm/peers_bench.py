@@ -22,9 +22,8 @@ against the producer's (or the plain engine's) tokens; a loaded request must rep
 
 **Rounds** (``--rounds``, default 3): the plain engine and both shared-storage pairs run once a round, in an
 order rotated each round, each pair into a directory of its own, and a round's hand-off is taken against
-that round's plain prefill. This VM's file writes swing between two regimes for tens of seconds at a time
-(README, *Writes on this VM*); run once each, minutes apart, whichever connector saved during a slow stretch
-lost (three single runs gave fs 12x, 3.3x and 0.59x of ExampleConnector). The summary is the median over
+that round's plain prefill. A VM's file writes can swing between regimes for tens of seconds at a time;
+run once each, minutes apart, whichever connector saved during a slow stretch would lose. The summary is the median over
 rounds of each side's hand-off, every round's figures beside it.
 """
 

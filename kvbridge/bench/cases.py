@@ -90,9 +90,9 @@ BENCH: dict[str, BackendBench] = {
     "lmcache": BackendBench(("file",)),  # its bench target's medium is LMCache's disk tier (the arena alone: lmcache:cpu)
     # ucxx-wa: the medium the two-sided path rides (kvbridge/bench/ucx_baselines.py); UCX_PEERS: raw cma and ucp
     # GET, NIXL and Mooncake reading the same request (kvbridge/bench/peers.py)
-    # --quick keeps the raw medium of the default lane and the peer a user would pick (~3 s of the ~13 s per point).
-    # The transfer is timed with the producer in a child process, as deployed and as the peers run: with both
-    # engines in one process the same scattered 128 MiB read measured 3.8-4.2 GB/s, in two 4.7.
+    # --quick keeps the raw medium of the default lane and the peer a user would pick (the cheap rows of a point).
+    # The transfer is timed with the producer in a child process, as deployed and as the peers run: two engines
+    # in one process share its allocator and GIL, and read slower than a deployment does.
     "ucx": BackendBench(("ucxx-wa", "ucxx", "tcp", *UCX_PEERS), quick=("cma", "cma:2t", "nixl:sm"),
                         transfer=_ucx_baselines.two_processes),
 }
@@ -243,8 +243,8 @@ def count_cases(names: Sequence[str], points: Sequence[Point], ops: Sequence[str
 
 
 # Small requests repeat more: every case of a point moves about as many bytes as ``reps`` repetitions of 128 MiB
-# (at most 16x the repetitions), so an 8 MiB median rests on 16x the samples at about the same cost. One 8 MiB
-# sample is over in ~1 ms, and on a shared VM the median of three swung a ratio by 2x from run to run.
+# (at most 16x the repetitions), so an 8 MiB median rests on 16x the samples at about the same cost: a small
+# sample is over in a millisecond, and the median of three would carry a shared machine's noise.
 REPS_BYTES = 128 << 20
 MAX_REPS_SCALE = 16
 

@@ -30,8 +30,8 @@ its time (kvbridge's bench computes its block keys before the timed region).
 conformance target sets it up (the arena stages, every load reads LMCache's disk tier: against
 ``lmcache-native:disk``). The row ``lmcache:cpu`` is the same tier with LMCache's CPU arena as the store
 (``cpu_cache``, no disk, the arena sized as ``lmcache-native:cpu``'s plus room for two of kvbridge's largest
-objects; against ``lmcache-native:cpu``), measured here with the bench's own store cases
-(:func:`kvbridge.bench.cases.save_case` / ``load_case``: the same timing as every store row, the first load
+objects; against ``lmcache-native:cpu``), measured with the bench's own store cases
+(:func:`kvbridge.bench.pairs.save_case` / ``load_case``: the same timing as every store row, the first load
 checked byte for byte) because the bench has one store row per registered backend.
 
 **And kvbridge's chain with LMCache behind it**, as deployed for P/D: row ``chain:lmcache``, each engine's ``cpu``

@@ -26,8 +26,8 @@ the engines publish (:class:`~kvbridge.serving.routing.DirectoryView`). The prox
 ``/tokenize`` for each prompt's tokens (chat requests through the chat template, as the engine will)
 and the directory who holds them: two calls on the request path, timed in ``/metrics``
 (``tokenize_seconds``, ``directory_seconds``). ``--tokenizer PATH`` (the engines' tokenizer, loaded with
-``transformers``) tokenizes completion prompts in the proxy instead, saving the first call (about 5 ms
-on a busy 2-core machine); chat requests still go to ``/tokenize``, where the engine's chat template is.
+``transformers``) tokenizes completion prompts in the proxy instead, saving the first call (a round trip to
+a busy engine); chat requests still go to ``/tokenize``, where the engine's chat template is.
 
 Standard library only, but for the directory's client and ``--tokenizer``'s transformers.
 """
