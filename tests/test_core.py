@@ -1,7 +1,7 @@
 """kvbridge._core, which needs no UCX: copies in this process (copy, copy_start), reads of another process
-(cma_read, cma_start, from tests/native_peer.py --no-ucp), a store's file IO (file_start) and crc32c, the copy
-threads (cut, waiter, scheduling policy, fork).  Every transfer is compared byte for byte; word i of the
-peer's buffer is i * PATTERN_K, so every byte read can be checked without a second copy."""
+(cma_read, cma_start, from tests/helpers/native_peer.py --no-ucp), the copy threads (cut, waiter, scheduling
+policy, fork).  Every transfer is compared byte for byte; word i of the peer's buffer is i * PATTERN_K, so
+every byte read can be checked without a second copy."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from kvbridge import native
 core: Any = native.load_core()[0]
 pytestmark = pytest.mark.skipif(core is None, reason=f"kvbridge._core: {native.load_core()[1]}")
 
-PEER = Path(__file__).with_name("native_peer.py")
+PEER = Path(__file__).parent / "helpers" / "native_peer.py"
 K = np.uint64(0x9E3779B97F4A7C15)
 MiB = 1 << 20
 SLACK_S = 4.0  # a read of a killed peer ends within this, scheduling included
@@ -39,7 +39,7 @@ def expected(first_word: np.ndarray, words: int) -> np.ndarray:
 
 
 class Peer:
-    """tests/native_peer.py without UCX: a process holding the pattern, for process_vm_readv."""
+    """tests/helpers/native_peer.py without UCX: a process holding the pattern, for process_vm_readv."""
 
     def __init__(self, nbytes: int) -> None:
         self.proc = subprocess.Popen([sys.executable, str(PEER), "--bytes", str(nbytes), "--no-ucp"],
