@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -73,7 +73,7 @@ class Reader:
         finally:
             _close(reads)
 
-    def start(self, op: BlockLoad, layout: KVLayout, plan: ReadPlan, mod: ModuleType) -> tuple[Any, Any] | None:
+    def start(self, op: BlockLoad, layout: KVLayout, plan: ReadPlan, mod: ModuleType) -> tuple[Any, Callable[[], int]] | None:
         """A ``NATIVE`` load started now: its objects opened and their headers checked here, the blocks read
         and checked on the native threads; the running read, and what gives how many blocks from the first
         arrived once it is over. ``None`` where nothing was found or an object needs the plan's fallback."""
