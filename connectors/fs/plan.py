@@ -24,10 +24,9 @@ one of the first four (``BUFFERED`` being: gathered into staging, written from t
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvbridge.connectors.fs.options import FsLoad
 
@@ -43,8 +42,7 @@ class Route(enum.Enum):
     RESLICED = "resliced"
 
 
-@dataclasses.dataclass(frozen=True)
-class Medium:
+class Medium(NamedTuple):
     """What a store moves blocks with: the native module (``file_start`` and crc32c) or not, ``O_DIRECT``
     or the page cache, and the checksum kind it writes."""
 
@@ -53,8 +51,7 @@ class Medium:
     kind: int
 
 
-@dataclasses.dataclass(frozen=True)
-class ReadPlan:
+class ReadPlan(NamedTuple):
     """How one load moves its blocks: ``route``, or ``fallback`` for objects the native routes cannot
     check; ``tp``: the TP size whose shards a ``RESLICED`` load reads (else this engine's)."""
 
