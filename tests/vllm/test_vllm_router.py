@@ -9,7 +9,8 @@ so the client's ``cached_tokens`` says nothing about the hand-off; the consumer'
 
 Checked: fresh prompts (never seen by the producer), one at a time and concurrently, are served by the
 consumer from loaded KV (its ``cached_tokens`` is every full block of the prompt) and their texts equal a
-colocated engine's; the same prompts again likewise.
+colocated engine's; the same prompts again likewise; and the consumer's ``/metrics`` carries kvbridge's
+series (:mod:`kvbridge.vllm.prom`).
 """
 
 from __future__ import annotations
@@ -183,3 +184,51 @@ def test_fresh_prompts_load_behind_vllm_router(routed: dict[str, Any], prompts: 
         check(name, "repeat concurrent")
     print("\n".join(figures))
 
+
+def kvbridge_series(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every ``kvbridge_*`` sample on a server's ``/metrics``: (name, sorted labels but vLLM's) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, data = call(port, "GET", "/metrics")
+    assert status == 200
+    out = {}
+    for family in text_string_to_metric_families(data.decode()):
+        for s in family.samples:
+            if s.name.startswith("kvbridge_"):
+                labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("engine", "model_name")))
+                out[(s.name, labels)] = s.value
+    return out
+
+
+def test_kvbridge_series_on_the_servers_metrics(routed: dict[str, Any]) -> None:
+    """After one more fresh P/D request, the consumer's /metrics count one more ucx load of exactly the
+    prompt's full blocks (the tiny model: 2 layers x 2 KV heads x 64 dims x K and V x 4 bytes a token)."""
+    import random
+    import time
+
+    load = ("direction", "load"), ("backend", "ucx"), ("tier", "ucx")
+    before = kvbridge_series(routed["decode"])
+    rng = random.Random(4242)
+    answer, consumer = routed_completion(routed, [rng.randrange(4, 2048) for _ in range(PROMPT_LEN)])
+    assert _cached(consumer) == FULL_TOKENS, consumer["usage"]
+    deadline = time.monotonic() + 30  # the stats reach the API server with the engine's next outputs
+    after = kvbridge_series(routed["decode"])
+
+    def delta(name: str, labels: tuple[tuple[str, str], ...]) -> float:
+        key = (name, tuple(sorted(labels)))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    while delta("kvbridge_transfers_total", load) < 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = kvbridge_series(routed["decode"])
+    assert delta("kvbridge_transfers_total", load) == 1, sorted(after)
+    assert delta("kvbridge_transfer_blocks_total", load) == FULL_TOKENS // BLOCK
+    assert delta("kvbridge_transfer_bytes_total", load) == FULL_TOKENS * 2 * 2 * 64 * 2 * 4
+    assert delta("kvbridge_transfer_seconds_count", (("backend", "ucx"), ("direction", "load"))) == 1
+    lanes = sum(delta("kvbridge_loads_by_lane_total", (("lane", lane),)) for lane in ("cma", "ucp", "two-sided"))
+    assert lanes == 1, {k: v for k, v in after.items() if "lane" in k[0]}
+    assert after.get(("kvbridge_lane_info", (("lane", "auto"),))) == 1
+    assert delta("kvbridge_failed_blocks_total", (("backend", "ucx"), ("tier", "ucx"))) == 0
+    producer = kvbridge_series(routed["prefill"])
+    assert producer.get(("kvbridge_lane_info", (("lane", "auto"),))) == 1, sorted(producer)
+    print("consumer kvbridge series:", {f"{n}{dict(lab)}": v for (n, lab), v in sorted(after.items()) if v})
