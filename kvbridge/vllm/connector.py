@@ -783,6 +783,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return tuple(super().get_loaded_kv_cache_group_ids(request))
         return tuple(range(len(getattr(self._kv_cache_config, "kv_cache_groups", None) or ()) or 1))
 
+    @property
     def requires_kv_delivery(self) -> bool:
         """Only ucx hands off KV a consumer must receive; a store's save is best effort (a dropped one is a
         later miss), so a preempted request need not be recomputed for it (vLLM's default: any producer)."""

