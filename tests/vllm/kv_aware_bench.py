@@ -32,7 +32,7 @@ from test_api_server import call, free_port, stop_all, text_of, wait_healthy  # 
 BLOCK_BYTES = 65536  # the tiny model's KV of one 32-token block
 
 
-def _engine(model: Path, tmp: Path, i: int, env: dict[str, str]) -> tuple[subprocess.Popen, Path, int, int]:
+def _engine(model: Path, tmp: Path, i: int, env: dict[str, str], hash_algo: str) -> tuple[subprocess.Popen, Path, int, int]:
     port, events = free_port(), free_port()
     kv = {"kv_connector": "kvbridge.CPUConnector", "kv_role": "kv_both",
           "kv_connector_extra_config": {"capacity_bytes": 96 * BLOCK_BYTES}}  # fmt: skip
@@ -42,7 +42,7 @@ def _engine(model: Path, tmp: Path, i: int, env: dict[str, str]) -> tuple[subpro
         "--enforce-eager", "--block-size", "32", "--max-model-len", "256", "--dtype", "float32",
         "--kv-cache-memory-bytes", str(24 * BLOCK_BYTES), "--seed", "0", "--enable-prompt-tokens-details",
         "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(kv),
-        "--kv-events-config", json.dumps(evc),
+        "--kv-events-config", json.dumps(evc), "--prefix-caching-hash-algo", hash_algo,
     ]  # fmt: skip
     log = tmp / f"engine{i}.log"
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
@@ -86,6 +86,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("workdir", type=Path)
     ap.add_argument("--flush", type=int, default=5, help="prompts per engine that push the 8 out of the GPU caches")
+    ap.add_argument("--hash-algo", default="sha256_cbor", help="the engines' --prefix-caching-hash-algo (vLLM's "
+                    "default, sha256, hashes Python pickles: no router can compute those)")
     args = ap.parse_args()
     tmp: Path = args.workdir
     tmp.mkdir(parents=True, exist_ok=True)
@@ -94,7 +96,7 @@ def main() -> None:
         make_tiny_llama(model)
     env = engine_env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    engines = [_engine(model, tmp, i, env) for i in range(2)]
+    engines = [_engine(model, tmp, i, env, args.hash_algo) for i in range(2)]
     ports = [(p, ev) for _, _, p, ev in engines]
     routers = {pol: _router(model, tmp, pol, ports, env) for pol in ("round_robin", "kv_aware")}
     procs = [(p, log, port) for p, log, port, _ in engines] + list(routers.values())
