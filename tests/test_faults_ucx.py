@@ -396,6 +396,28 @@ def test_an_expired_hand_off_is_said_once_and_counted(tmp_path: Path, caplog: py
     assert not caplog.records, "a request without params is no refused hand-off"
 
 
+ROUTER_PREFILL_FLAGS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                        "remote_block_ids": None, "remote_host": None, "remote_port": None}  # vllm-router 0.1.17's
+
+
+def test_a_routers_prefill_flags_are_no_refused_hand_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The kv_transfer_params a P/D router sends with a *prefill* request (vllm-router: do_remote_decode,
+    do_remote_prefill false, NIXL's remote_* null) name no hand-off: a kv_both engine computes the prompt
+    without a warning or a refused count; params that do name a foreign (NIXL) hand-off are refused and said."""
+    from kvbridge.contract import RequestInfo
+
+    scheduler = _scheduler(tmp_path, role="both")
+    req = RequestInfo("pre-1", tuple(range(100)), (), dict(ROUTER_PREFILL_FLAGS))
+    with caplog.at_level("WARNING"):
+        assert scheduler.lookup(req, 0).num_tokens == 0
+    assert not caplog.records and scheduler.stats.refused_handoffs == 0
+    nixl = RequestInfo("nixl-1", tuple(range(100)), (), {**ROUTER_PREFILL_FLAGS, "do_remote_prefill": True,
+                                                          "remote_engine_id": "e", "remote_block_ids": [1, 2]})
+    with caplog.at_level("WARNING"):
+        assert scheduler.lookup(nixl, 0).num_tokens == 0
+    assert scheduler.stats.refused_handoffs == 1 and "no kvbridge_version" in caplog.text
+
+
 @pytest.mark.parametrize(("num_tokens", "ids", "expected"), [(2**62, [3, 1, 2], 48), (10**9, [5], 16), (48, [3, 1, 2, 4, 6], 48)])
 def test_num_tokens_never_exceeds_the_named_blocks(tmp_path: Path, num_tokens: int, ids: list[int], expected: int) -> None:
     """A huge (or mismatched) num_tokens is capped by the blocks named: the engine never takes unloaded tokens as loaded."""

@@ -86,6 +86,13 @@ class UcxStats(TransferStats):
     sealed_loads: int = 0  # consumer: one-sided reads confirmed by the producer's seal (no round trip)
     resliced_loads: int = 0  # consumer: loads cut out of a producer of another tensor-parallel size
     started_loads: int = 0  # consumer: cma reads started from the engine's step on a native thread (Puller.start)
+    lane_cma_loads: int = 0  # consumer: loads counted, by the lane that read them (the ucp lanes together)
+    lane_ucp_loads: int = 0
+    lane_two_sided_loads: int = 0
 
 
-__all__ = ["UcxOptions", "UcxStats"]
+LANE_COUNTERS = {"cma": "lane_cma_loads", "ucp": "lane_ucp_loads", "ucp-unsafe": "lane_ucp_loads",
+                 "two-sided": "lane_two_sided_loads"}  # a lane -> its UcxStats counter
+
+
+__all__ = ["LANE_COUNTERS", "UcxOptions", "UcxStats"]

@@ -154,11 +154,25 @@ def _is_address(v: Any) -> bool:
     return m is not None and 0 < int(m.group(2)) < 65536
 
 
+# What a P/D router puts in a *prefill* request's kv_transfer_params (vLLM's proxies, vllm-router): the ask
+# for a hand-off, and NIXL's remote_* fields left null. No hand-off is named, so nothing is refused.
+_REQUEST_FLAGS = frozenset({"do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids",
+                            "remote_host", "remote_port", "remote_request_id", "tp_size"})
+
+
+def is_request_flags(params: Any) -> bool:
+    """Whether ``params`` only carry vLLM's request-side flags (``do_remote_decode``: hold my blocks for a
+    consumer; ``do_remote_prefill`` false; NIXL's ``remote_*`` fields null), as a router sends them to a
+    prefill engine: they name no hand-off to load, so they are no miss to warn about either."""
+    return (isinstance(params, Mapping) and params.keys() <= _REQUEST_FLAGS and not params.get("do_remote_prefill")
+            and all(params.get(k) is None for k in _REQUEST_FLAGS if k.startswith("remote_")))
+
+
 def check_params(params: Any) -> tuple[Mapping[str, Any] | None, str]:
     """``(params, "")`` if they are transfer params this version can act on, else ``(None, why)`` — ``why``
     empty when there were none at all. They come from a client or a proxy, so every field is checked
     here, before the scheduler or the wire sees it; block ids as one array, never one by one."""
-    if params is None:
+    if params is None or is_request_flags(params):
         return None, ""
     if not isinstance(params, Mapping) or not _is_int(params.get("kvbridge_version")):
         return None, "not kvbridge transfer params (no kvbridge_version)"
@@ -205,5 +219,5 @@ def usable_params(params: Any) -> Mapping[str, Any] | None:
     return check_params(params)[0]
 
 
-__all__ = ["PARAMS_VERSION", "PLAN", "Hold", "UcxPlan", "UcxSource", "check_params", "handoff_params", "is_id", "seal_of",
-           "usable_params"]
+__all__ = ["PARAMS_VERSION", "PLAN", "Hold", "UcxPlan", "UcxSource", "check_params", "handoff_params", "is_id",
+           "is_request_flags", "seal_of", "usable_params"]

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 from kvbridge.connectors.ucx import onesided, wire
 from kvbridge.connectors.ucx import runtime as rtmod
-from kvbridge.connectors.ucx.options import UcxOptions, UcxStats
+from kvbridge.connectors.ucx.options import LANE_COUNTERS, UcxOptions, UcxStats
 from kvbridge.connectors.ucx.params import UcxSource, is_id
 from kvbridge.connectors.ucx.releaser import Releaser
 from kvbridge.connectors.ucx.staging import StagingPool, bury, chunk, sync
@@ -249,7 +249,8 @@ class Puller:
     def _sealed_read(self, address: str, op: BlockLoad, src: UcxSource, t0: float) -> set[int]:
         """The seal says the producer held the blocks throughout: they count now, and the release goes
         out once the engine has taken the report (:meth:`release_reported`)."""
-        self._count(op, t0, sealed=True)
+        peer = self._peers.get(address)
+        self._count(op, t0, sealed=True, lane=peer.source.lane if peer is not None and peer.source is not None else "")
         with self._lock:
             self._sealed.append((address, src))
         return set()
@@ -275,7 +276,7 @@ class Puller:
             log.warning("%s: producer %s no longer held %s when the read ended: %d blocks not counted",
                         self.engine.engine_id, src.engine_id, rid, len(op.block_ids))
             return set(op.block_ids)
-        self._count(op, t0, sealed=False)
+        self._count(op, t0, sealed=False, lane=peer.source.lane if peer.source is not None else "")
         return set()
 
     def _read_resliced(self, op: BlockLoad, src: UcxSource) -> set[int]:
@@ -284,13 +285,14 @@ class Puller:
         holds the hand-off after the read (its seal, else it confirms without releasing); no release here,
         since other ranks of ours may be reading the same producer rank: the scheduler releases every
         producer rank once all of ours report."""
-        t0, sealed = time.perf_counter(), True
+        t0, sealed, lane = time.perf_counter(), True, ""
         try:
             theirs, cuts = reslice(self.layout.fingerprint, self.engine.rank, self.engine.world_size, src.ranks)
             for q, cut in cuts.items():
                 address = src.addresses[q]
                 peer = self._peer(address, src, (theirs, cut))
                 assert peer.source is not None
+                lane = peer.source.lane
                 try:
                     self._read_blocks(peer.source, op, src, self.addressing.narrowed(cut.dst, cut.length))
                 except BaseException:
@@ -306,17 +308,17 @@ class Puller:
                         op.request_id, src.engine_id, src.ranks, self.engine.world_size,
                         type(exc).__name__, exc)
             return set(op.block_ids)
-        self._count(op, t0, sealed=sealed)
+        self._count(op, t0, sealed=sealed, lane=lane)
         self.stats.add(resliced_loads=1)
         return set()
 
-    def _count(self, op: BlockLoad, t0: float, *, sealed: bool) -> None:
+    def _count(self, op: BlockLoad, t0: float, *, sealed: bool, lane: str) -> None:
         sizes = op.source.group_sizes if isinstance(op.source, UcxSource) else ()
         layers = (sum(n * len(g) for n, g in zip(sizes, self.layout.groups)) if sizes
                   else len(op.block_ids) * self.layout.num_layers)  # each group's ids move its own layers
         nbytes = layers * self.layout.block_bytes
         self.stats.add(load_bytes=nbytes, load_blocks=len(op.block_ids), load_seconds=time.perf_counter() - t0,
-                       sealed_loads=int(sealed))
+                       sealed_loads=int(sealed), **{LANE_COUNTERS.get(lane, "lane_ucp_loads"): 1})
 
     def _read_blocks(self, source: onesided.Source, op: BlockLoad, src: UcxSource, mine: BlockAddressing | None = None) -> None:
         """The read itself, after the checks that make it safe to start; raises on any failure."""
@@ -431,7 +433,8 @@ class Puller:
             else:
                 self._staging.give(bufs)
             nbytes = arrived[0] * layout.num_layers * layout.block_bytes
-            self.stats.add(load_bytes=nbytes, load_blocks=arrived[0], load_seconds=time.perf_counter() - t0)
+            self.stats.add(load_bytes=nbytes, load_blocks=arrived[0], load_seconds=time.perf_counter() - t0,
+                           lane_two_sided_loads=int(arrived[0] > 0))
 
     def release_reported(self) -> None:
         """Queue the releases of sealed reads, once the engine has taken their loads' report (the worker

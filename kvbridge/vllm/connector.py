@@ -78,6 +78,8 @@ from kvbridge.keys import block_keys
 from kvbridge.layout import KVLayout
 from kvbridge.serving.publishing import CachePublisher, PublishOptions
 from kvbridge.stats import TransferStats
+from kvbridge.vllm.events import TierEvents, tiers_of
+from kvbridge.vllm.prom import TIER_SEP, KVBridgePromMetrics
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +306,23 @@ def split_extra_config(fixed_backend: str | None, extra: Mapping[str, Any] | Non
     return fixed_backend, options, namespace
 
 
+def _hit_source(backend: str) -> Any:
+    """Where a backend's loaded tokens come from, in vLLM's ``CacheHitSource`` terms (its per-source prompt
+    token metrics); ``None`` keeps vLLM's default (unspecified) where vLLM has no such enum."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return None
+    named = {"ucx": "P2P", "cpu": "HOST", "memory": "HOST", "fs": "DISK"}.get(backend)
+    return getattr(CacheHitSource, named) if named else CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+def _kv_events_on(vllm_config: Any) -> bool:
+    """Whether the engine publishes KV-cache events (``--kv-events-config`` with ``enable_kv_cache_events``)."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
+
+
 # ---- what crosses processes --------------------------------------------------------------------
 
 
@@ -349,23 +368,41 @@ class KVBridgeStats(KVConnectorStats):  # type: ignore[misc]
         return not any(self.data.values())
 
 
+def _tier_stats(side: Any) -> list[tuple[str, TransferStats]]:
+    """A chain's tiers' own counters, each under ``tier:<name>:`` (its backend's name; ``name.i`` where two
+    tiers share one), so that per-tier loads, saves and hits reach vLLM (:mod:`kvbridge.vllm.prom`)."""
+    holder = next((h for h in (side, getattr(side, "index", None), getattr(side, "io", None)) if hasattr(h, "tiers")), None)
+    names, tiers = list(getattr(holder, "names", None) or ()), list(getattr(holder, "tiers", None) or ())
+    out = []
+    for i, (name, tier) in enumerate(zip(names, tiers)):
+        stats = getattr(tier, "stats", None)
+        if isinstance(stats, TransferStats):
+            out.append((f"tier{TIER_SEP}{name if names.count(name) == 1 else f'{name}.{i}'}{TIER_SEP}", stats))
+    return out
+
+
 class _Counters:
     """Per-step stats for vLLM (taken each step) and lifetime totals (for tests and debugging)."""
 
     def __init__(self, side: SchedulerSide | WorkerSide):
-        self._stats = side.stats
+        self._parts = ([("", side.stats)] if side.stats is not None else []) + _tier_stats(side)
         self._totals: dict[str, Any] = {}
 
+    def _collect(self, take: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for prefix, stats in self._parts:
+            out.update((prefix + k, v) for k, v in (stats.take() if take else stats.as_dict()).items())
+        return out
+
     def take(self) -> KVBridgeStats | None:
-        if self._stats is None:
+        if not self._parts:
             return None
-        step = self._stats.take()
+        step = self._collect(take=True)
         self._totals = TransferStats.merge(self._totals, step)
         return KVBridgeStats(data=step) if any(step.values()) else None
 
     def totals(self) -> dict[str, Any]:
-        pending = self._stats.as_dict() if self._stats is not None else {}
-        return TransferStats.merge(self._totals, pending)
+        return TransferStats.merge(self._totals, self._collect(take=False))
 
 
 # ---- the two halves ----------------------------------------------------------------------------
@@ -378,10 +415,12 @@ class SchedulerAdapter:
     vLLM reports them step by step (``new_block_ids`` appended; replaced on resumption).
     """
 
-    def __init__(self, side: SchedulerSide, engine: EngineInfo, publisher: CachePublisher | None = None):
+    def __init__(self, side: SchedulerSide, engine: EngineInfo, publisher: CachePublisher | None = None,
+                 events: TierEvents | None = None):
         self.side = side
         self.engine = engine
         self.publisher = publisher  # the prefix cache, published for routers (kvbridge.serving.publishing)
+        self.events = events  # what the store's tiers hold, as vLLM KV-cache events (kvbridge.vllm.events)
         self.counters = _Counters(side)
         self._groups = len(engine.kv_groups) or 1
         self._requests: dict[str, RequestInfo] = {}
@@ -452,6 +491,8 @@ class SchedulerAdapter:
             scheduled.append(self._scheduled(rid, self.flat(groups), computed, so))
         muted, self._muted = tuple(self._muted), []
         idle = not any(so.num_scheduled_tokens.values())
+        if self.events is not None:
+            self.events.step()
         return KVBridgeMetadata(self.side.plan_step(scheduled), muted, idle)
 
     @staticmethod
@@ -475,6 +516,8 @@ class SchedulerAdapter:
         decision = self.side.on_finished(info, list(block_ids))
         if self.publisher is not None:
             self.publisher.finished(request)
+        if self.events is not None:
+            self.events.finished(request, info.block_keys)
         delay = decision.delay_free
         if delay and vllm_holds:
             # A request that ends during its async load: vLLM itself keeps the blocks until the load
@@ -664,6 +707,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                               "resume from); use a store: "
                               "fs, cpu, lmcache or chain")
         self.engine = engine
+        self.backend_kind = backend.kind
+        self._cache_hit_source = _hit_source(name)
         if worker:
             self._worker = WorkerAdapter(backend.worker(engine), engine, kv_cache_dtype(vllm_config),
                                          _group_layers(kv_cache_config), per_tensor=backend.kind == "store")
@@ -673,7 +718,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             publisher = None
             if publish is not None:
                 publisher = CachePublisher(publish, vllm_config, engine.block_size, int(getattr(kv_cache_config, "num_blocks", 0) or 0))
-            self._scheduler = SchedulerAdapter(backend.scheduler(engine), engine, publisher)
+            side = backend.scheduler(engine)
+            events = None
+            if _kv_events_on(vllm_config) and hasattr(side, "index"):
+                events = TierEvents(tiers_of(side.index, name), engine.block_size)
+            self._scheduler = SchedulerAdapter(side, engine, publisher, events)
             self._worker = _OtherRole("SCHEDULER", "worker")
             self._side = self._scheduler
         log.info("kvbridge %s connector (%s, %s) for engine %s", name, role.name, engine.role, engine.engine_id)
@@ -720,8 +769,33 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, self._scheduler.flat((block_ids,)))
 
+    def take_events(self) -> list[Any]:
+        """What kvbridge's store tiers newly hold or dropped, as vLLM KV-cache events (:mod:`kvbridge.vllm.events`)."""
+        events = self._scheduler.events
+        return events.take() if events is not None else []
+
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, self._scheduler.flat(block_ids))
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """ucx: every KV-cache group (it reads the producer's own blocks of each group); a store: vLLM's
+        default, the prefix-cacheable groups (what a hash-addressed store holds)."""
+        if self.backend_kind == "store":
+            return tuple(super().get_loaded_kv_cache_group_ids(request))
+        return tuple(range(len(getattr(self._kv_cache_config, "kv_cache_groups", None) or ()) or 1))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Only ucx hands off KV a consumer must receive; a store's save is best effort (a dropped one is a
+        later miss), so a preempted request need not be recomputed for it (vLLM's default: any producer)."""
+        return self.backend_kind != "store" and bool(self._kv_transfer_config.is_kv_producer)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33's hook; its default says yes): kvbridge's backends hold the KV tensors' addresses
+        (ucx exports them to its peers, the stores copy from them on their own threads), which sleep mode
+        frees and remaps."""
+        return False
 
     # ---- both roles --------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
@@ -730,6 +804,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVBridgePromMetrics:
+        """kvbridge's series on vLLM's ``/metrics`` (:mod:`kvbridge.vllm.prom`)."""
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        backend = str(cls.backend_name or extra.get("backend") or "unknown")
+        lane = str(extra.get("lane", "auto")) if backend == "ucx" else None
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, backend=backend, lane=lane)
 
     def totals(self) -> dict[str, Any]:
         """Lifetime :class:`~kvbridge.stats.TransferStats` counters of this instance's side."""

@@ -1,0 +1,180 @@
+"""vLLM KV-cache events for what kvbridge's store tiers hold: ``BlockStored`` / ``BlockRemoved`` with a
+medium per tier, on vLLM's own event stream (``--kv-events-config``), through the connector's
+``take_events``.
+
+A router that reads vLLM's events (vllm-router's ``kv_aware`` policy, llm-d's KV-cache indexer,
+Dynamo's KV router) keys them by **vLLM's block hashes**: so are these. At a request's end the
+scheduler side notes its full blocks (kvbridge's keys beside vLLM's hashes, ``request.block_hashes``;
+vLLM computes them only with its prefix cache on). Each engine step it asks each tier's index which of
+them it now holds (:meth:`~kvbridge.store.StoreIndex.members`: the store's own answer, no hook in it) and
+publishes what a tier newly holds as ``BlockStored`` (one event per contiguous run, parent hash and
+token ids as vLLM's own events carry them); at most every ``scan_s`` it re-asks a bounded slice of what
+was published and publishes what a tier no longer holds (evicted, expired) as ``BlockRemoved``.
+
+Bounded: at most ``max_blocks`` published (tier, block) pairs are followed (beyond that the oldest is
+dropped with a ``BlockRemoved``: a router may then under-count a tier, never over-count it), at most
+``max_pending`` requests wait for their saves (``pending_s`` each), and each step asks about at most
+``batch`` keys. Coalesced: one event per run of blocks, not per block.
+
+Media (``medium``): ``cpu`` and ``memory`` -> ``CPU`` (vLLM's name for host memory, what vllm-router's
+kv_aware credits as its host tier); ``fs`` -> ``DISK`` (its disk tier); ``lmcache`` -> ``LMCACHE``; a
+chain names each tier by its backend. ucx keeps no tier: it publishes nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MEDIA = {"cpu": "CPU", "memory": "CPU", "fs": "DISK", "lmcache": "LMCACHE"}
+
+
+@dataclasses.dataclass
+class Tier:
+    """One store tier as the events see it: its medium and its index (anything with ``members(keys)``)."""
+
+    medium: str
+    members: Callable[[Sequence[bytes]], list[int]]
+
+
+@dataclasses.dataclass
+class _Pending:
+    keys: tuple[bytes, ...]
+    hashes: tuple[Any, ...]
+    tokens: tuple[int, ...]
+    lora: Any
+    deadline: float
+    seen: list[set[int]]  # per tier, positions already published
+
+
+def _asking(members: Callable[[Sequence[bytes]], list[int]]) -> Callable[[Sequence[bytes]], list[int] | None]:
+    """``members`` that answers ``None`` instead of raising: a tier that cannot answer now (a store gone
+    away) publishes nothing this time, and never stops the engine's step."""
+
+    def ask(keys: Sequence[bytes]) -> list[int] | None:
+        try:
+            return list(members(keys))
+        except Exception as exc:  # noqa: BLE001 - events are advisory; the store's own calls report it
+            log.debug("kvbridge events: a tier could not say what it holds: %s", exc)
+            return None
+
+    return ask
+
+
+def tiers_of(index: Any, backend: str) -> list[Tier]:
+    """The tiers of a store's scheduler-side index: a chain's each (by its backend's name), else the index."""
+    if hasattr(index, "tiers") and hasattr(index, "names"):
+        return [Tier(MEDIA.get(name, name.upper()), tier.members) for name, tier in zip(index.names, index.tiers)]
+    return [Tier(MEDIA.get(backend, backend.upper()), index.members)]
+
+
+class TierEvents:
+    """Follows what each tier holds of finished requests' blocks; :meth:`take` gives the events so far."""
+
+    def __init__(self, tiers: Sequence[Tier], block_size: int, *, max_blocks: int = 65536, max_pending: int = 1024,
+                 pending_s: float = 30.0, batch: int = 256, scan_s: float = 0.2):
+        self.tiers = list(tiers)
+        self.block_size = block_size
+        self.max_blocks, self.max_pending, self.pending_s, self.batch, self.scan_s = max_blocks, max_pending, pending_s, batch, scan_s
+        self._pending: collections.OrderedDict[str, _Pending] = collections.OrderedDict()
+        self._published: collections.OrderedDict[tuple[int, Any], bytes] = collections.OrderedDict()  # (tier, hash) -> key
+        self._events: list[Any] = []
+        self._next_scan = 0.0
+
+    def finished(self, request: Any, keys: Sequence[bytes]) -> None:
+        """Note a finished request's full blocks; published once a tier holds them."""
+        hashes = list(getattr(request, "block_hashes", None) or ())[: len(keys)]
+        if not hashes or not self.tiers:
+            return  # vLLM's prefix cache off: no hashes a router could match
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        n = len(hashes)
+        tokens = tuple(int(t) for t in (getattr(request, "all_token_ids", None) or request.prompt_token_ids)[: n * self.block_size])
+        lora = getattr(request, "lora_request", None)
+        self._pending[request.request_id] = _Pending(tuple(keys[:n]), tuple(maybe_convert_block_hash(h) for h in hashes),
+                                                     tokens, lora, time.monotonic() + self.pending_s,
+                                                     [set() for _ in self.tiers])  # fmt: skip
+        while len(self._pending) > self.max_pending:
+            self._pending.popitem(last=False)
+
+    def step(self) -> None:
+        """Publish what tiers newly hold (a bounded number of keys asked) and, every ``scan_s``, what they dropped."""
+        now = time.monotonic()
+        budget = self.batch
+        for rid in list(self._pending):
+            if budget <= 0:
+                break
+            p = self._pending[rid]
+            budget -= len(p.keys)
+            done = True
+            for t, tier in enumerate(self.tiers):
+                answer = _asking(tier.members)(p.keys)
+                held = set(answer or ()) - p.seen[t]
+                if held:
+                    p.seen[t] |= held
+                    self._stored(t, p, sorted(held))
+                done = done and len(p.seen[t]) == len(p.keys)
+            if done or now > p.deadline:
+                del self._pending[rid]
+        if now >= self._next_scan and self._published:
+            self._next_scan = now + self.scan_s
+            self._scan()
+
+    def _stored(self, tier: int, p: _Pending, positions: list[int]) -> None:
+        from vllm.distributed.kv_events import BlockStored
+
+        bs = self.block_size
+        positions = [i for i in positions if (tier, p.hashes[i]) not in self._published]  # said already
+        runs: list[list[int]] = []
+        for i in positions:  # contiguous runs: each event's blocks follow its parent hash
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            self._events.append(BlockStored(
+                block_hashes=[p.hashes[i] for i in run], parent_block_hash=p.hashes[run[0] - 1] if run[0] else None,
+                token_ids=list(p.tokens[run[0] * bs : (run[-1] + 1) * bs]), block_size=bs,
+                lora_id=getattr(p.lora, "adapter_id", None) if p.lora else None, medium=self.tiers[tier].medium,
+                lora_name=getattr(p.lora, "name", None) if p.lora else None,
+            ))  # fmt: skip
+            for i in run:
+                self._published[(tier, p.hashes[i])] = p.keys[i]
+                self._published.move_to_end((tier, p.hashes[i]))
+        while len(self._published) > self.max_blocks:
+            (t, h), _ = self._published.popitem(last=False)
+            self._removed(t, [h])
+
+    def _scan(self) -> None:
+        """Re-ask a bounded slice of the published blocks (oldest first, then rotated to the end)."""
+        chunk = [self._published.popitem(last=False) for _ in range(min(self.batch, len(self._published)))]
+        by_tier: dict[int, list[tuple[Any, bytes]]] = {}
+        for (t, h), key in chunk:
+            by_tier.setdefault(t, []).append((h, key))
+        for t, entries in by_tier.items():
+            answer = _asking(self.tiers[t].members)([key for _, key in entries])
+            held = set(range(len(entries))) if answer is None else set(answer)  # no answer: nothing removed
+            gone = [h for i, (h, _) in enumerate(entries) if i not in held]
+            for i, (h, key) in enumerate(entries):
+                if i in held:
+                    self._published[(t, h)] = key
+            if gone:
+                self._removed(t, gone)
+
+    def _removed(self, tier: int, hashes: list[Any]) -> None:
+        from vllm.distributed.kv_events import BlockRemoved
+
+        self._events.append(BlockRemoved(block_hashes=hashes, medium=self.tiers[tier].medium))
+
+    def take(self) -> list[Any]:
+        events, self._events = self._events, []
+        return events
+
+
+__all__ = ["MEDIA", "Tier", "TierEvents", "tiers_of"]
