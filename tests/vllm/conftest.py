@@ -80,7 +80,7 @@ def vl() -> Any:
     from vllm.v1.outputs import KVConnectorOutput
 
     from kvbridge.contract import KVGroup
-    from kvbridge.vllm import connector
+    from kvbridge.vllm import config, connector
 
     return NS(KVTransferConfig=KVTransferConfig, Factory=KVConnectorFactory, Role=KVConnectorRole, Output=KVConnectorOutput,
-              c=connector, KVGroup=KVGroup)
+              c=connector, config=config, KVGroup=KVGroup)

@@ -309,15 +309,15 @@ def test_kv_cache_groups_from_vllms_specs(vl: Any) -> None:
         return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                              kv_cache_groups=[KVCacheGroupSpec([f"{i}.{j}" for j in range(n)], spec) for i, (n, spec) in enumerate(groups)])
 
-    assert vl.c.kv_groups(cfg((2, full))) == ()
-    assert vl.c.kv_groups(cfg((1, swa), (3, full))) == (vl.KVGroup(1, 64), vl.KVGroup(3, 0))
-    assert vl.c.kv_groups(cfg((2, swa))) == (vl.KVGroup(2, 64),), "one sliding group still nulls blocks"
+    assert vl.config.kv_groups(cfg((2, full))) == ()
+    assert vl.config.kv_groups(cfg((1, swa), (3, full))) == (vl.KVGroup(1, 64), vl.KVGroup(3, 0))
+    assert vl.config.kv_groups(cfg((2, swa))) == (vl.KVGroup(2, 64),), "one sliding group still nulls blocks"
     mamba = MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align")
-    assert vl.c.kv_groups(cfg((1, mamba), (1, full))) == (vl.KVGroup(1, state=True), vl.KVGroup(1))
+    assert vl.config.kv_groups(cfg((1, mamba), (1, full))) == (vl.KVGroup(1, state=True), vl.KVGroup(1))
     with pytest.raises(ConfigError, match="mamba_cache_mode='align'"):  # no state kept per block: nothing to load
-        vl.c.kv_groups(cfg((1, full), (1, MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,)))))
+        vl.config.kv_groups(cfg((1, full), (1, MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,)))))
     with pytest.raises(ConfigError, match="no attention group"):
-        vl.c.kv_groups(cfg((1, mamba)))
+        vl.config.kv_groups(cfg((1, mamba)))
     with pytest.raises(ConfigError, match="the ucx backend moves no Mamba state"):  # a store would take it
         vl.c.UCXConnector(config(vl, "kv_consumer", {}, connector="kvbridge.UCXConnector"), vl.Role.SCHEDULER,
                           cfg((1, mamba), (1, full)))
@@ -365,7 +365,8 @@ except MissingDependency as exc:
     print("REFUSED", exc)
 vllm.__version__ = "0.34.0"
 logging.basicConfig()
-import kvbridge.vllm.connector as c
+import kvbridge.vllm.connector
+from kvbridge.vllm import compat as c
 print("LOADED", c.VLLM_VERSION)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
