@@ -25,7 +25,7 @@ Consumer commands:
 - ``{"op": "load", "rid": R, "tokens": N, "seed": S, "params": P}`` — the consumer's part of a prefill up to
   the start of the load (lookup, allocation, the plan with the load); answers ``{"started": n_tokens}``.
 - ``{"op": "begin", "rid": R, "tokens": N, "seed": S, "params": P}`` — like ``load``, keeping the request for ``end``.
-- ``{"op": "end", "rid": R, "timeout": T}`` — pump until ``R``'s load is reported (or ``T`` s pass); answers
+- ``{"op": "end", "rid": R, "wait": T}`` — pump until ``R``'s load is reported (or ``T`` s pass); answers
   ``loaded`` / ``failed`` (block counts), ``exact`` (the loaded blocks equal what the producer computed for
   their keys), ``sha`` (sha256 of the loaded full blocks, to compare with the producer's ``sha``),
   ``seconds`` (from ``begin``), and frees the blocks.
@@ -159,7 +159,8 @@ def main() -> None:
     _say({"ready": True, "pid": os.getpid()})
     while True:
         if not select.select([sys.stdin], [], [], 0.01)[0]:
-            engine.pump()
+            if not pending:  # a pending load's report is for its "end" to read
+                engine.pump()
             continue
         line = sys.stdin.readline()
         if not line:
@@ -198,7 +199,7 @@ def main() -> None:
             if op == "begin":
                 _say({"started": n})
         if op == "end" or op == "pull":
-            _say(_end(engine, *pending.pop(cmd["rid"]), float(cmd.get("timeout", 30))))
+            _say(_end(engine, *pending.pop(cmd["rid"]), float(cmd.get("wait", 30))))
         elif op == "quit":
             break
     engine.close()
