@@ -6,7 +6,7 @@ as loaded, the producer's hold ends (release or lease), and once the link is bac
 process loads again, bit-exact. Needs root (skips, saying why, without).
 
 The producer (host A) sends through a link capped at ``RATE`` so that the load below lasts long enough
-to be cut in the middle; the consumer runs on host B; both are tests/ucx_fault_peer.py processes
+to be cut in the middle; the consumer runs on host B; both are tests/helpers/ucx_fault_peer.py processes
 (64 KiB per block).
 """
 
@@ -26,7 +26,7 @@ from kvbridge.testing.hosts import Host  # noqa: E402
 
 
 def _sibling(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"kvbridge_tests_{name}", Path(__file__).with_name(f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(f"kvbridge_tests_{name}", Path(__file__).parent / "helpers" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

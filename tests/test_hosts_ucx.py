@@ -4,7 +4,7 @@ both. Loads arrive bit-exact on the one-sided (``auto`` takes ``ucp`` over TCP) 
 producer advertises a routable address without being told; a loopback address from another host is a
 refusal that says which option to set, never a silent miss. Needs root (skips, saying why, without).
 
-Peers: tests/ucx_fault_peer.py through tests/hostpeer.py — 4 layers, 4 KV heads, head size 64, bf16, block
+Peers: tests/helpers/ucx_fault_peer.py through tests/helpers/hostpeer.py — 4 layers, 4 KV heads, head size 64, bf16, block
 size 16: 64 KiB per block.
 """
 
@@ -25,7 +25,7 @@ from kvbridge.testing.hosts import Host  # noqa: E402
 
 def _sibling(name: str) -> Any:
     # by file path: putting tests/ on sys.path would make tests/vllm look like an installed vLLM
-    spec = importlib.util.spec_from_file_location(f"kvbridge_tests_{name}", Path(__file__).with_name(f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(f"kvbridge_tests_{name}", Path(__file__).parent / "helpers" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
