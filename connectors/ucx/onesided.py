@@ -159,6 +159,14 @@ _CTX: Any = None
 _CTX_LOCK = threading.Lock()
 
 
+# UCX's TCP transport has no one-sided GET: it emulates one with active messages, the producer answering
+# in segments of TCP_TX_SEG_SIZE (8 KiB by default) that the consumer receives in TCP_RX_SEG_SIZE ones.
+# 64 KiB on both sides cuts the sends, receives and progress rounds per byte eightfold; `kvbridge bench
+# hosts` measures the lane (a row with UCX_TCP_TX_SEG_SIZE=8k UCX_TCP_RX_SEG_SIZE=8k in its environment
+# shows UCX's default). Both sides must agree for the gain: producers and consumers run this same code.
+TCP_CONFIG = {"TCP_TX_SEG_SIZE": "64k", "TCP_RX_SEG_SIZE": "64k"}
+
+
 def context(tls: str) -> Any:
     """The process-wide native UCX context (with a progress thread: a producer's worker must progress for
     TCP GETs to be served), made on first use; raises :class:`PeerUnreachable` if the module is missing."""
@@ -168,8 +176,10 @@ def context(tls: str) -> Any:
         raise PeerUnreachable(f"one-sided UCX unavailable: {why}")
     with _CTX_LOCK:
         if _CTX is None:
-            # the GET gate for device memory (cuda.CONFIG): set unless the user set UCX_<name> (the user wins)
-            _CTX = mod.Context(tls=tls or None, progress_thread=True, config=cuda.CONFIG, optional=cuda.OPTIONAL)
+            # the GET gate for device memory (cuda.CONFIG) and TCP's segments (TCP_CONFIG): each set unless
+            # the user set UCX_<name> (the user wins)
+            _CTX = mod.Context(tls=tls or None, progress_thread=True, config={**cuda.CONFIG, **TCP_CONFIG},
+                               optional=(*cuda.OPTIONAL, *TCP_CONFIG))
             # stop its progress thread and free UCX state before the interpreter (and ucxx) goes away
             atexit.register(_close_context)
         return _CTX
