@@ -154,7 +154,7 @@ def _policy(batch: bool) -> None:
 def _idle_batch() -> None:
     """The IO thread waits for work as SCHED_BATCH: it is woken by the engine's own calls (a poll queues a chain's
     promotion), and on a busy core the woken thread took the core from the engine's thread at once, which then
-    waited ~2 ms to go on (a quarter of the 32 MiB chain loads here). A batch thread that wakes does not preempt;
+    waited a scheduler tick to go on (outliers in ``kvbridge bench --backends chain --ops load``). A batch thread that wakes does not preempt;
     it runs on an idle core, or at the next tick. Each job then runs as SCHED_OTHER (:meth:`Transfers._settle`),
     so a thread it makes (a thread pool's, a library's) does not inherit the batch policy."""
     _policy(True)
@@ -223,8 +223,8 @@ class Transfers:
     ) -> None:
         """A save to queue once the load of ``request_id`` (which calls this) is reported by :meth:`poll`,
         or waited for by :meth:`wait`. The request counts as busy from now on, so its blocks stay held.
-        Queued at once, the save (a chain's promotion: a copy as long as the load) ran beside the thread
-        that polls, and the engine learnt of an 8 MiB load ~0.5 ms later here."""
+        Queued at once, the save (a chain's promotion: a copy as long as the load) would run beside the
+        thread that polls, and the engine would learn of the load later (``kvbridge bench --backends chain``)."""
         with self._lock:
             if self._closed:
                 raise ClosedError("transfers are closed")
