@@ -17,6 +17,7 @@ from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import KVBridgeError, LayoutError
 from kvbridge.layout import BlockAddressing, KVLayout, block_words, coalesce
 from kvbridge.store import StoreIO
+from kvbridge.transfer import Started, Transfer
 
 
 class CpuPool(StoreIO):
@@ -137,7 +138,7 @@ class CpuPool(StoreIO):
             copies.copy_in(pool, slots[:n], op.block_ids[:n], layout)
         return op.block_ids[n:]
 
-    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Any, Callable[[], Sequence[int]]] | None:
+    def begin_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | None:
         """With a CPU KV, the load runs on the native module's threads, checked now (the slots' tags: they
         are pinned until the load is released) and reported by the poll that sees it over."""
         if self._native is None or self._stream is not None:
@@ -151,7 +152,7 @@ class CpuPool(StoreIO):
             running.result()  # raises if the copy failed: every block of the op is then failed
             return op.block_ids[n:]
 
-        return running, failed
+        return Started(op, running, failed)
 
     def _native_load(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> Any:
         """Slots into blocks, started on the native threads (``cma_start``: cut between them from 8 MiB;
@@ -163,7 +164,7 @@ class CpuPool(StoreIO):
         streaming = len(blocks) * layout.num_layers * layout.block_bytes >= copies.STREAM_LOAD_BYTES
         return mod.cma_start(0, pool_at.addresses(np.asarray(slots)), kv.addresses(blocks), lengths, streaming=streaming)
 
-    def start_save(self, op: BlockSave, layout: KVLayout) -> tuple[Any, Callable[[], None]] | None:
+    def begin_save(self, op: BlockSave, layout: KVLayout) -> Transfer | None:
         """With a CPU KV, the save runs on the native module's threads; its slots are tagged once the
         poll sees it over (or a load of one of them waits for it)."""
         if self._native is None:
@@ -176,7 +177,7 @@ class CpuPool(StoreIO):
         save = (self._native_save(slots, op.block_ids, layout), slots, op.keys)
         with self._saving_lock:
             self._saving.append(save)
-        return save[0], lambda: self._complete(save)
+        return Started(op, save[0], lambda: self._complete(save))
 
     def _complete(self, save: tuple[Any, list[int], Sequence[bytes]]) -> None:
         """Tag the slots of a native save once it is over (waits for it); raises if its copy failed."""

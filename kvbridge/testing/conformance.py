@@ -36,6 +36,7 @@ from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, MLA
 from kvbridge.store import StoreWorker
 from kvbridge.testing.engine import MiniEngine, Target
 from kvbridge.testing.targets import target_for
+from kvbridge.transfer import Started, Transfer
 
 BACKEND_NAMES = sorted(registry.available())
 
@@ -98,7 +99,7 @@ class _Gate:
     """Holds a store's loads or saves back at the :class:`~kvbridge.store.StoreIO` boundary until
     :meth:`open`: a fake slow medium (a medium that is slow on demand cannot be made real in a unit test);
     the real load or save runs once the gate opens. ``entered`` is set when the first call reaches it.
-    A load or save the store starts on native threads (``start_load``/``start_save``) runs at once, but
+    A load or save the store starts on native threads (``begin_load``/``begin_save``) runs at once, but
     is not over until the gate opens."""
 
     def __init__(self, io: Any, method: str):
@@ -106,7 +107,7 @@ class _Gate:
         self.entered = threading.Event()
         self._open = threading.Event()
         self._shadowed: dict[str, Any] = {}  # instance attributes of the io's own (a fault hook's)
-        real, start = getattr(io, method), getattr(io, f"start_{method}")
+        real, begin = getattr(io, method), getattr(io, f"begin_{method}")
 
         def gated(*args: Any, **kwargs: Any) -> Any:
             self.entered.set()
@@ -114,14 +115,14 @@ class _Gate:
                 raise TimeoutError(f"conformance gate on {method} never opened")
             return real(*args, **kwargs)
 
-        def gated_start(*args: Any, **kwargs: Any) -> Any:
-            started = start(*args, **kwargs)
+        def gated_begin(*args: Any, **kwargs: Any) -> Transfer | None:
+            started = begin(*args, **kwargs)
             if started is None:
                 return None
             self.entered.set()
-            return _GatedRunning(started[0], self._open), started[1]
+            return Started(started.op, _GatedRunning(started, self._open), started.failed)
 
-        for name, fn in ((method, gated), (f"start_{method}", gated_start)):
+        for name, fn in ((method, gated), (f"begin_{method}", gated_begin)):
             self._shadowed[name] = vars(io).get(name)
             setattr(io, name, fn)
 
@@ -141,8 +142,11 @@ class _Gate:
 class _GatedRunning:
     """A natively started transfer that is over only once it is, and the gate is open."""
 
-    def __init__(self, running: Any, gate: threading.Event):
+    def __init__(self, running: Transfer, gate: threading.Event):
         self.running, self.gate = running, gate
+
+    def bind(self, io: Any) -> None:
+        self.running.bind(io)
 
     def done(self) -> bool:
         return self.gate.is_set() and bool(self.running.done())
