@@ -19,15 +19,12 @@ from kvbridge.bench.cases import (
     DEFAULT_BENCH,
     Case,
     Measurer,
-    Pair,
-    load_case,
     medium_env,
     opened,
-    save_case,
-    save_stall_case,
     sched_floor_case,
 )
 from kvbridge.bench.core import SHAPES, Point, Timing, gbps
+from kvbridge.bench.pairs import Pair, load_case, save_case, save_stall_case
 
 POINTS = {"8b-256tok": Point(SHAPES["8b"], 256), "8b-64tok-x4": Point(SHAPES["8b"], 64, requests=4)}
 SCHED_POINT = Point(SHAPES["tiny"], 1024, requests=16)

@@ -19,7 +19,7 @@ from kvbridge import native
 ucp, why = native.load()
 assert ucp is not None, why
 nbytes = 64 << 20
-peer = subprocess.Popen([sys.executable, "tests/native_peer.py", "--bytes", str(nbytes), "--cuda"],
+peer = subprocess.Popen([sys.executable, "tests/helpers/native_peer.py", "--bytes", str(nbytes), "--cuda"],
                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 info = json.loads(peer.stdout.readline())
 local = torch.zeros(nbytes // 8, dtype=torch.int64, device="cuda")

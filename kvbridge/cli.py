@@ -18,10 +18,10 @@ from kvbridge.errors import KVBridgeError
 COMMANDS: dict[str, tuple[str, str]] = {
     "backends": ("kvbridge.cli", "list the backends and whether each can run here"),
     "bench": ("kvbridge.bench.cli", "measure KV transfer cost of every available backend against baselines"),
-    "simulate": ("kvbridge.bench.simulate", "simulate colocated vs disaggregated prefill/decode serving"),
+    "simulate": ("kvbridge.simulate.cli", "simulate colocated vs disaggregated prefill/decode serving"),
     "metadata-server": ("kvbridge.metadata.server", "run the gRPC metadata server (handshake, release, directory)"),
-    "proxy": ("kvbridge.vllm.proxy", "P/D proxy: prefill on one vLLM server, decode on another"),
-    "publish": ("kvbridge.vllm.publishing", "publish a vLLM engine's prefix cache (its KV events) for proxy --directory"),
+    "proxy": ("kvbridge.serving.proxy", "P/D proxy: prefill on one vLLM server, decode on another"),
+    "publish": ("kvbridge.serving.publishing", "publish a vLLM engine's prefix cache (its KV events) for proxy --directory"),
 }
 
 

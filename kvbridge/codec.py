@@ -82,9 +82,9 @@ fingerprint, so the header has a fixed size::
         24     16  the layout fingerprint's digest (:meth:`LayoutFingerprint.digest`, ASCII hex)
         40     16  blake2b-128 of the block key
 
-**Checksums.** ``crc32`` (zlib: always there, ~3.7 GB/s here) or ``crc32c`` (:mod:`kvbridge._ucp`'s own
-where built, ~33 GB/s on a CPU with VPCLMULQDQ, else ``google-crc32c``, ~22 GB/s; :func:`have_crc32c`
-probes for either once). A writer picks one; a reader verifies whichever kind an object names.
+**Checksums.** ``crc32`` (zlib: always there, but several times slower) or ``crc32c`` (kvbridge's
+native one where built, folded with carry-less multiplies on a CPU with VPCLMULQDQ, else ``google-crc32c``;
+:func:`have_crc32c` probes for either once; ``kvbridge bench`` fs rows show what a checked read costs). A writer picks one; a reader verifies whichever kind an object names.
 
 **Checks of a block object** (:meth:`BlockFormat.check`), in this order; each failure raises
 :class:`~kvbridge.errors.Corrupted`, whose ``damaged`` says what to do with the object
@@ -218,7 +218,7 @@ def block_checksums(kind: int, blocks: np.ndarray) -> np.ndarray:
 def leading_matches(got: Any, want: Any) -> int:
     """How many of the checksums ``got`` equal ``want``'s, from the first: where a read's blocks stop counting.
     Both uint32 sequences, or both ``bytes`` of little-endian uint32s (a native read's ``checked()`` sums beside
-    :meth:`Chunk.packed_sums`): a read that matched whole is then one comparison, no numpy (~20 us cold)."""
+    :meth:`Chunk.packed_sums`): a read that matched whole is then one comparison: no numpy call, whose dispatch is slow when cold after a forward pass."""
     if isinstance(got, bytes) and isinstance(want, bytes):
         if got == want:
             return len(got) // 4

@@ -337,7 +337,7 @@ def block_words(blocks: torch.Tensor, word: torch.dtype = torch.int64) -> torch.
 
     Why: torch's copy kernels move rows of machine words faster than 4-D tensors of 2-byte elements
     (a plain ``copy_`` and ``index_select`` with int64; on the CPU, ``index_copy_`` into rows of int32
-    runs ~1.3-2x faster than into a 4-D bf16 view, measured here). Rows may have gaps between them
+    runs faster than into a 4-D bf16 view). Rows may have gaps between them
     (a layer viewed inside a larger allocation); they may not overlap.
     """
     size = word.itemsize
@@ -375,8 +375,8 @@ class KVLayout:
         self.block_shape = tuple(first.shape[1:])
         self.dtype = first.dtype
         self.device = first.device
-        # its kind as a plain str, asked by every load and save: `device.type` builds one in libtorch each
-        # time, ~16 us when cold (after a forward pass) against ~2 for an attribute
+        # its kind as a plain str, asked by every load and save: `device.type` builds a new one in libtorch
+        # each time, slow when cold after a forward pass (bench cases `load`, 8 MiB)
         self.device_type: str = first.device.type
         self.block_bytes = fingerprint.block_bytes
         self.num_layers = len(self.layers)
@@ -390,8 +390,8 @@ class KVLayout:
         self._typed = tuple(_as_bits(v) for v in self.layers)
         # On a GPU, every layer's rows as one [layers, num_blocks, words] view where the layers lie at equal
         # steps in one allocation (vLLM's one KV tensor): a gather or scatter of all layers is then one
-        # kernel, not one per layer (each launch costs ~10 us from Python: 0.3 ms of an 8 MiB move). On
-        # the CPU the per-layer copies are the faster ones (measured), so they stay.
+        # kernel, not one per layer (a launch from Python costs more than a small layer's copy). On the CPU the
+        # per-layer copies are the faster ones, so they stay (bench cases `load`/`save --device cuda` and cpu).
         self._all = _layers_as_one(self._rows) if self.device_type != "cpu" else None
 
     # ---- construction -------------------------------------------------------------------------
@@ -505,8 +505,8 @@ class KVLayout:
 
     def check_bounds(self, block_ids: Sequence[int]) -> None:
         """:meth:`check_range` for a caller that needs no array (a store that hands the ids on as they are):
-        ``min`` and ``max`` of a list of ids, no numpy. Cold, after a forward pass, the array and its two
-        reductions cost ~40 us of an 8 MiB fs load's ~0.9 ms here (~7 us without them)."""
+        ``min`` and ``max`` of a list of ids, no numpy: cold, after a forward pass, an array and its two
+        reductions are a visible share of a small load (bench case fs `load`, 8 MiB)."""
         if isinstance(block_ids, (list, tuple)):
             if block_ids:
                 self._check_bounds(int(min(block_ids)), int(max(block_ids)))

@@ -12,8 +12,9 @@ import statistics
 import pytest
 
 from kvbridge import registry
-from kvbridge.bench.cases import Pair, opened, time_save_stall
+from kvbridge.bench.cases import opened
 from kvbridge.bench.core import SHAPES, Point, Record
+from kvbridge.bench.pairs import Pair, time_save_stall
 from kvbridge.cli import main
 
 FIELDS = {f.name for f in dataclasses.fields(Record)}

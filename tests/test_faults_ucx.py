@@ -11,7 +11,7 @@ The consumers here use the two-sided path (``lane="two-sided"``: chunks tag-sent
 faults differ from the one-sided lanes' (tests/test_ucx_onesided.py): a killed two-sided pull keeps the
 bit-exact chunks that arrived, a one-sided read counts nothing the producer did not confirm.
 
-Peers run in their own processes (tests/ucx_fault_peer.py) with a small KV cache: 4 layers, 4 KV heads,
+Peers run in their own processes (tests/helpers/ucx_fault_peer.py) with a small KV cache: 4 layers, 4 KV heads,
 head size 64, bf16, block size 16 — 16 KiB per block and layer, 64 KiB per block; the consumer runs here
 with ``timeout_s`` = 2 s.
 """
@@ -47,7 +47,7 @@ from kvbridge.metadata.client import MetadataClient  # noqa: E402
 from kvbridge.metadata.types import PeerInfo  # noqa: E402
 from kvbridge.testing import MiniEngine  # noqa: E402
 
-HELPER = Path(__file__).with_name("ucx_fault_peer.py")
+HELPER = Path(__file__).parent / "helpers" / "ucx_fault_peer.py"
 GEOMETRY: dict[str, Any] = {"num_layers": 4, "num_kv_heads": 4, "head_size": 64, "block_size": 16, "dtype": torch.bfloat16}
 BLOCK_BYTES = 4 * 4 * 16 * 2 * 64 * 2  # 64 KiB per block, all layers
 TIMEOUT_S = 2.0  # the consumer's timeout_s: a transfer step without progress this long fails
@@ -62,7 +62,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 class Peer:
-    """A peer engine in another process (tests/ucx_fault_peer.py), driven by JSON lines; answers within ``timeout``."""
+    """A peer engine in another process (tests/helpers/ucx_fault_peer.py), driven by JSON lines; answers within ``timeout``."""
 
     def __init__(self, role: str, out: Path, *args: str):
         out.mkdir(parents=True, exist_ok=True)

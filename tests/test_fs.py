@@ -32,7 +32,7 @@ from kvbridge.keys import block_keys
 from kvbridge.layout import KVLayout, LayoutFingerprint
 from kvbridge.testing import MiniEngine
 
-WORKER = Path(__file__).with_name("fs_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "fs_worker.py"
 FIXED = struct.Struct("<8sHHIHHQIII")  # the documented header: magic, version, kind, header len, count, fp len, payload, 0, crc, 0
 ENTRY = struct.Struct("<IH")  # per block: checksum, key length (the key follows)
 

@@ -22,7 +22,7 @@ from kvbridge.testing import MiniEngine
 from kvbridge.testing.conformance import LAYOUTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")]
-PEER = Path(__file__).with_name("native_peer.py")
+PEER = Path(__file__).parent / "helpers" / "native_peer.py"
 
 
 def test_layout_moves_cuda_blocks_bit_exact() -> None:

@@ -1,5 +1,5 @@
 """kvbridge._ucp against real processes on loopback: byte-exact reads and writes, a peer that dies or stops
-mid-transfer, bad input, use after close.  The peer is tests/native_peer.py; word i of its buffer is
+mid-transfer, bad input, use after close.  The peer is tests/helpers/native_peer.py; word i of its buffer is
 i * PATTERN_K, so every byte read can be checked here without a second copy."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _needs_native(request: pytest.FixtureRequest) -> None:
         require_native()
 
 
-PEER = Path(__file__).with_name("native_peer.py")
+PEER = Path(__file__).parent / "helpers" / "native_peer.py"
 K = np.uint64(0x9E3779B97F4A7C15)
 MiB = 1 << 20
 SLACK_S = 4.0  # a failed transfer may spend ABORT_WAIT_S (2 s) retiring its requests, plus scheduling

@@ -19,8 +19,8 @@ from kvbridge import cli
 from kvbridge.errors import ConfigError
 from kvbridge.keys import ROUTE_TOKENS, route_keys
 from kvbridge.metadata.holdings import Holdings, open_directory
+from kvbridge.serving.proxy import make_server
 from kvbridge.testing.services import RedisServer, eventually, held_depth
-from kvbridge.vllm.proxy import make_server
 
 
 class FakeServer(ThreadingHTTPServer):
@@ -288,7 +288,7 @@ def test_cli_defaults_parse() -> None:
     """Every default passes its own check (argparse runs ``type`` on string defaults too)."""
     import argparse
 
-    from kvbridge.vllm import proxy
+    from kvbridge.serving import proxy
 
     parser = argparse.ArgumentParser()
     proxy.configure(parser)
@@ -363,7 +363,7 @@ def test_a_dead_replica_is_ejected_and_requests_keep_succeeding(replicas_proxy: 
 
 
 def test_router_keeps_a_hot_prefix_from_piling_onto_one_engine() -> None:
-    from kvbridge.vllm.routing import Router
+    from kvbridge.serving.routing import Router
 
     router = Router(["a", "b"], "cache-aware", chunk_chars=8, max_imbalance=2)
     body = {"prompt": "x" * 64}

@@ -12,11 +12,12 @@ import time
 import numpy as np
 import pytest
 
-from kvbridge.bench import sim_inputs, sim_toy
-from kvbridge.bench.sim_model import EngineModel, HandOff, Layout, Workload, _Link, make_requests, simulate
-from kvbridge.bench.sim_stats import FIGURES, Slo, goodput, median_ci, metrics
-from kvbridge.bench.simulate import run_seeds
 from kvbridge.cli import main
+from kvbridge.simulate import inputs as sim_inputs
+from kvbridge.simulate import toy as sim_toy
+from kvbridge.simulate.cli import run_seeds
+from kvbridge.simulate.model import EngineModel, HandOff, Layout, Workload, _Link, make_requests, simulate
+from kvbridge.simulate.stats import FIGURES, Slo, goodput, median_ci, metrics
 
 W = Workload(requests=160)
 MODEL = EngineModel()

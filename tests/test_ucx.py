@@ -2,7 +2,7 @@
 two consumers at once, a refused layout. The conformance suite (tests/test_conformance.py -k ucx) covers
 the contract with both engines in one process.
 
-The producer runs in its own process (tests/ucx_peer.py) with a Llama-3-8B-shaped KV cache (32 layers,
+The producer runs in its own process (tests/helpers/ucx_peer.py) with a Llama-3-8B-shaped KV cache (32 layers,
 8 KV heads, head size 128, bf16, block size 16: 2 MiB per block); the consumer runs here.
 """
 
@@ -31,12 +31,12 @@ from kvbridge.contract import WorkerReport  # noqa: E402
 from kvbridge.errors import ConfigError  # noqa: E402
 from kvbridge.testing import MiniEngine  # noqa: E402
 
-PEER = Path(__file__).with_name("ucx_peer.py")
+PEER = Path(__file__).parent / "helpers" / "ucx_peer.py"
 GEOMETRY = {"num_layers": 32, "num_kv_heads": 8, "head_size": 128, "block_size": 16, "dtype": torch.bfloat16}
 
 
 class Producer:
-    """A producer engine in another process (tests/ucx_peer.py), driven by JSON lines."""
+    """A producer engine in another process (tests/helpers/ucx_peer.py), driven by JSON lines."""
 
     def __init__(self, out: Path, *args: str):
         out.mkdir(parents=True, exist_ok=True)
@@ -329,7 +329,7 @@ producer.close(); consumer.close()
 
 def test_an_idle_pair_costs_almost_no_cpu() -> None:
     """A producer and a consumer with nothing to do sleep (ucxx's polling completion spun a core of the
-    engine's). Measured here: ~2% of a core for both; the bound only catches a busy loop (~100%)."""
+    engine's). An idle pair uses a few percent of a core; the bound only catches a busy loop (~100%)."""
     import os
     import subprocess
     import sys

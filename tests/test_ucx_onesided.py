@@ -1,6 +1,6 @@
 """One-sided ucx lanes between processes: the consumer reads the producer's KV straight into its own.
 
-The producer (tests/ucx_peer.py, Llama-3-8B-shaped KV: 2 MiB per block) runs with ``--idle``: no engine step
+The producer (tests/helpers/ucx_peer.py, Llama-3-8B-shaped KV: 2 MiB per block) runs with ``--idle``: no engine step
 follows its prefill, as after vLLM's offline ``LLM.generate`` returns. Every load is checked byte for byte
 against what left the producer, and every fault must end in failed blocks (nothing counted as loaded)
 within a deadline, with this process alive: a producer stopped or killed, a lease over, block ids altered

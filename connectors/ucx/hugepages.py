@@ -1,11 +1,10 @@
 """Backing a CPU KV cache with huge pages, so a one-sided ``cma`` read walks 512 times fewer pages.
 
 ``process_vm_readv`` pins every page it touches on both sides. torch allocates a CPU KV cache in 4 KiB
-pages (unless ``THP_MEM_ALLOC_ENABLE=1`` was set when the process started), numpy in 2 MiB ones: the same
-scattered 128 MiB read measured 3.4 GB/s between torch tensors against 4.4 with both KVs on huge pages
-(``kvbridge.bench.ucx_baselines``). So a ucx worker asks the kernel, once at registration, to back its KV
+pages (unless ``THP_MEM_ALLOC_ENABLE=1`` was set when the process started), numpy in 2 MiB ones, and the same scattered
+read is markedly slower between torch tensors than with both KVs on huge pages (``kvbridge.bench.ucx_baselines``). So a ucx worker asks the kernel, once at registration, to back its KV
 with transparent huge pages: ``MADV_HUGEPAGE`` (future faults) and ``MADV_COLLAPSE`` (Linux 6.1+: the pages
-already there, copied now, ~3 GB/s here). The contents stay as they are. Where the kernel refuses (older
+already there, copied once, now). The contents stay as they are. Where the kernel refuses (older
 kernel, THP ``never``, not Linux) nothing changes and it is said once at info level. Option ``huge_pages``.
 """
 

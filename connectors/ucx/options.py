@@ -30,8 +30,8 @@ class UcxOptions:
       later recomputes, and says so once at warning level, counted in ``refused_handoffs``).
     - ``chunk_bytes`` / ``max_inflight``: the pull moves chunks of about this many bytes, this many at once.
     - ``progress_mode``: ucxx progress, process-wide: "thread" (default), "blocking", "thread-polling",
-      "polling". "blocking" progresses UCX on the runtime's loop thread: measured here ~2x the bulk
-      throughput of "thread" (see kvbridge.bench.ucx_baselines) but slower small-message round trips.
+      "polling". "blocking" progresses UCX on the runtime's loop thread: more bulk throughput than
+      "thread" but slower small-message round trips (compare with kvbridge.bench.ucx_baselines).
     - ``ucx_tls``: UCX_TLS for this process (wins over the environment; default ``^cma``); process-wide.
     - ``lane``: how a consumer reads: "auto" (default: one-sided ``cma`` on one host, else one-sided
       ``ucp`` GET with peer error handling, else the two-sided path when the native module is missing),

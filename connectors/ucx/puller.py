@@ -12,8 +12,8 @@ Per producer address it handshakes once (cached with the endpoint or the one-sid
 
 **Where it runs.** A load from a producer already handshaken on the ``cma`` lane starts from the engine's
 step itself (:meth:`Puller.start`): a native thread reads the blocks and then the seal word, and the poll
-that sees it over counts it — no Python thread between the engine and the read, which saved ~0.3 ms of
-an 8 MiB hand-off. Everything that waits on the network (a handshake, a ``ucp`` or two-sided load, the
+that sees it over counts it — no Python thread between the engine and the read, whose two GIL hand-offs cost a
+visible share of a small hand-off (bench case ucx `transfer`, 8 MiB). Everything that waits on the network (a handshake, a ``ucp`` or two-sided load, the
 confirming release when no seal is in place, a failure's clean-up) runs on the worker's IO threads
 (:class:`~kvbridge.lifecycle.Transfers`).
 
@@ -442,7 +442,7 @@ class Puller:
     def release_reported(self) -> None:
         """Queue the releases of sealed reads, once the engine has taken their loads' report (the worker
         calls this after its poll). Queued from the read itself, the releaser's thread woke and took the GIL
-        just as the engine thread needed it to see the load done (+0.1-0.2 ms at 8 MiB); the engine polls
+        just as the engine thread needed it to see the load done (bench case ucx `transfer`, 8 MiB); the engine polls
         after every load it waits for, so nothing waits longer than its next step."""
         with self._lock:
             sealed, self._sealed = self._sealed, []

@@ -53,8 +53,8 @@ T = TypeVar("T")
 # UCX_MEMTYPE_CACHE, which UCX 1.21 no longer knows, and UCX would warn about it on every start.
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 # ucxx's default completes requests by a coroutine that polls with sleep(0): an idle producer or consumer
-# burns a whole core (measured 85-100% here, on the engine's own cores). Python futures are completed by
-# ucxx's notifier thread instead, which sleeps on a condition: ~2% of a core idle. Read at import.
+# burns a whole core, on the engine's own cores. Python futures are completed by
+# ucxx's notifier thread instead, which sleeps on a condition (tests/test_ucx.py checks an idle pair sleeps). Read at import.
 os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
 
 _HINT = "the ucx backend needs ucxx (or ucx-py); pip install 'kvbridge[ucx]'"

@@ -25,7 +25,7 @@ def chunk(buf: torch.Tensor, layout: KVLayout, n: int) -> torch.Tensor:
 
 class StagingPool:
     """Staging buffers kept for reuse. Fresh memory costs UCX a registration (and the kernel page faults) on
-    every transfer: measured here, 16 MiB chunks into new buffers ran 5-8x slower than into reused ones."""
+    every transfer, which costs more than the copy itself (bench case ucx `transfer`, lane two-sided)."""
 
     def __init__(self, layout: KVLayout, keep: int):
         self.layout, self.keep = layout, keep

@@ -105,10 +105,9 @@ def file(nbytes: int, op: str, env: Mapping[str, Any]) -> Iterator[Case]:
     each (the store's object size, where it has one), the first 4 KiB of each written last; the files
     stay until the end, as a store's objects do. Before each write, as before each save of a store
     (:func:`kvbridge.bench.cases.save_case`), ``os.sync()`` (untimed). New files, as fs writes its objects
-    (header last): rewriting one file ran at 1.2 GB/s against 4.2 for new files (ext4 flushes a file
-    truncated and written again when it is closed, ``auto_da_alloc``). This VM's slow write stretches
-    (0.35 GB/s for tens of seconds) catch every pattern alike (README, *Writes on this VM*), which is why
-    this baseline takes turns with the store's own saves.
+    (header last): rewriting one file is slower than writing new ones (ext4 flushes a file truncated and
+    written again when it is closed, ``auto_da_alloc``). A machine's write speed can drift for tens of
+    seconds at a time, which is why this baseline takes turns with the store's own saves.
 
     A load reads one file written once, over and over, as a store's load case reads one saved prompt;
     with ``env["fresh"]`` (the case loads a prompt saved just before, as a chain's consumer does) it

@@ -23,9 +23,7 @@ import importlib
 import importlib.util
 import os
 import shutil
-import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,28 +35,15 @@ from kvbridge.bench.baselines import BASELINES, ON_DEVICE, STEPPED, Unavailable
 from kvbridge.bench.core import (
     SHAPES,
     Case,
-    KVPool,
     Point,
     Record,
     Timing,
-    end_load,
-    end_save,
     make_record,
-    plan_load,
-    plan_save,
-    prompts,
-    requests,
-    run_load,
-    run_save,
-    same_blocks,
-    save_seconds,
-    settle,
-    step_saves,
     time_interleaved,
-    wait_saved,
 )
+from kvbridge.bench.pairs import Pair, StallTiming, load_case, save_case, save_stall_case, time_save_stall
 from kvbridge.bench.peers import POINT_BASELINES, UCX_PEERS
-from kvbridge.contract import BlockLoad, RequestInfo
+from kvbridge.contract import BlockLoad
 from kvbridge.testing.engine import Target
 from kvbridge.testing.targets import target_for
 
@@ -105,9 +90,9 @@ BENCH: dict[str, BackendBench] = {
     "lmcache": BackendBench(("file",)),  # its bench target's medium is LMCache's disk tier (the arena alone: lmcache:cpu)
     # ucxx-wa: the medium the two-sided path rides (kvbridge/bench/ucx_baselines.py); UCX_PEERS: raw cma and ucp
     # GET, NIXL and Mooncake reading the same request (kvbridge/bench/peers.py)
-    # --quick keeps the raw medium of the default lane and the peer a user would pick (~3 s of the ~13 s per point).
-    # The transfer is timed with the producer in a child process, as deployed and as the peers run: with both
-    # engines in one process the same scattered 128 MiB read measured 3.8-4.2 GB/s, in two 4.7.
+    # --quick keeps the raw medium of the default lane and the peer a user would pick (the cheap rows of a point).
+    # The transfer is timed with the producer in a child process, as deployed and as the peers run: two engines
+    # in one process share its allocator and GIL, and read slower than a deployment does.
     "ucx": BackendBench(("ucxx-wa", "ucxx", "tcp", *UCX_PEERS), quick=("cma", "cma:2t", "nixl:sm"),
                         transfer=_ucx_baselines.two_processes),
 }
@@ -192,152 +177,6 @@ def _open(name: str, tmp: Path, point: Point) -> Target:
         raise Unavailable(str(exc)) from None
 
 
-class Pair:
-    """Producer and consumer pools of one point; one pool with two block sets when the target serves one engine."""
-
-    def __init__(self, target: Target, point: Point):
-        self.point = point
-        if target.consumer is None:
-            self.prod = self.cons = KVPool(target.producer, point, role="both", engine_id="solo", sets=2)
-            self.pblocks, self.cblocks = self.prod.blocks
-        else:
-            self.prod = KVPool(target.producer, point, role="producer", engine_id="producer", seed=1)
-            self.cons = KVPool(target.consumer, point, role="consumer", engine_id="consumer", seed=2, fill=False)
-            self.pblocks, self.cblocks = self.prod.blocks[0], self.cons.blocks[0]
-
-    def save_plan(self, tag: str, seed: int) -> tuple[list[RequestInfo], Any]:
-        reqs = requests(self.prod, tag, prompts(self.point, seed))
-        return reqs, plan_save(self.prod, reqs, self.pblocks)
-
-    def produce(self, tag: str, seed: int) -> tuple[list[RequestInfo], list[Any], list[Mapping[str, Any] | None]]:
-        reqs, plan = self.save_plan(tag, seed)
-        run_save(self.prod, plan)
-        decisions = end_save(self.prod, reqs, self.pblocks)
-        return reqs, decisions, [d.transfer_params for d in decisions]
-
-    def close(self) -> None:
-        self.prod.close()
-        if self.cons is not self.prod:
-            self.cons.close()
-
-
-def _check_failed(failed: frozenset[int]) -> None:
-    if failed:
-        raise Unavailable(f"{len(failed)} blocks failed to load")
-
-
-def save_case(pair: Pair, tag: str = "save", seed: int = 1000) -> Case:
-    """A store's save of every request's prompt (fresh keys each time), from ``start_step`` until the
-    save is over (``finish_step`` only hands it to the worker's IO thread; the worker idle again)."""
-
-    def setup(i: int) -> tuple[list[RequestInfo], Any]:
-        reqs, plan = pair.save_plan(f"{tag}{i}", seed + i)
-        saved = sum(len(s.block_ids) for s in plan.saves)
-        if saved != pair.point.blocks:
-            raise Unavailable(f"the plan saves {saved} of {pair.point.blocks} blocks (store too small?)")
-        os.sync()  # every save starts with no dirty pages behind it, as the file baseline's writes do
-        return reqs, plan
-
-    return Case(setup, lambda s: run_save(pair.prod, s[1]), lambda s: end_save(pair.prod, s[0], pair.pblocks))
-
-
-@dataclasses.dataclass(frozen=True)
-class StallTiming:
-    """The ``save_stall`` figures, one sample of each per step: ``stall`` — the worker's calls on the
-    forward path (``start_step`` … ``finish_step``) — and ``save``, the save's own time."""
-
-    stall: Timing
-    save: Timing
-
-    @property
-    def fractions(self) -> tuple[float, ...]:
-        """Per step: the stall as a fraction of that step's save."""
-        return tuple(a / b for a, b in zip(self.stall.samples, self.save.samples))
-
-    @property
-    def frac(self) -> float:
-        return statistics.median(self.fractions)
-
-
-def save_stall_case(pair: Pair, saves: list[float]) -> Case:
-    """A step that saves every request's prompt (fresh keys each time) through the real worker, driven
-    as the forward pass drives it: plan with the saves, then ``start_step``, the per-layer hooks,
-    ``finish_step``.
-
-    Timed: those calls (:func:`~kvbridge.bench.core.step_saves`) — the stall the forward pass sees.
-    Untimed, in teardown: the worker idle again (``wait_idle``), then the save's own time is appended
-    to ``saves``: the worker's ``stats.save_seconds`` over the step (time inside the store's ``save``
-    on the IO thread), or, for a worker that keeps none, ``start_step`` until idle. A failed save
-    makes the case unmeasurable (the figures would be of no save).
-    """
-    save = save_case(pair, "stall", 5000)  # keys of their own: a point's save case stored its own already
-
-    def setup(i: int) -> dict[str, Any]:
-        reqs, plan = save.setup(i)
-        stats = getattr(pair.prod.worker, "stats", None)
-        failures = getattr(stats, "save_failures", 0)
-        before = save_seconds(pair.prod)
-        return {"reqs": reqs, "plan": plan, "failures": failures, "before": before, "t0": time.perf_counter()}
-
-    def teardown(s: dict[str, Any]) -> None:
-        wait_saved(pair.prod)
-        done = time.perf_counter() - s["t0"]
-        stats = getattr(pair.prod.worker, "stats", None)
-        if getattr(stats, "save_failures", 0) != s["failures"]:
-            raise Unavailable("a save failed (see the log)")
-        after = save_seconds(pair.prod)
-        own = after - s["before"] if after is not None and s["before"] is not None else 0.0
-        saves.append(own if own > 0 else done)
-        end_save(pair.prod, s["reqs"], pair.pblocks)
-
-    return Case(setup, lambda s: step_saves(pair.prod, s["plan"]), teardown)
-
-
-def time_save_stall(pair: Pair, reps: int) -> StallTiming:
-    """:func:`save_stall_case`, timed: the stall and the save's own time of the same ``reps`` steps."""
-    saves: list[float] = []
-    stall = save_stall_case(pair, saves).time(reps)
-    return StallTiming(stall, Timing(tuple(saves[-len(stall.samples) :])))
-
-
-def load_case(pair: Pair, *, peer: bool, timed: str = "load", fresh: bool = False) -> Case:
-    """The consumer's side: ``timed="load"`` times the pull, ``timed="plan"`` the scheduler's part
-    (lookup + on_allocated + plan_step of every request).
-
-    Stores are saved to once (and loaded from every time) unless ``fresh``; a peer's producer produces
-    for every pull and is settled (released) after it. The first pull is checked bit-exact.
-    """
-    cons, prod = pair.cons, pair.prod
-    fixed = None if peer or fresh else pair.produce("fixed", 7)
-    checked = False
-
-    def setup(i: int) -> dict[str, Any]:
-        preqs, decisions, params = pair.produce(f"p{i}", 2000 + i) if fixed is None else fixed
-        creqs = requests(cons, f"c{i}", [r.prompt_token_ids for r in preqs], params)
-        plan = None if timed == "plan" else plan_load(cons, creqs, pair.cblocks)
-        return {"preqs": preqs, "dec": decisions, "creqs": creqs, "plan": plan}
-
-    def pull(s: dict[str, Any]) -> None:
-        _check_failed(run_load(cons, s["plan"], s["creqs"]))
-
-    def schedule(s: dict[str, Any]) -> None:
-        s["plan"] = plan_load(cons, s["creqs"], pair.cblocks)
-
-    def teardown(s: dict[str, Any]) -> None:
-        nonlocal checked
-        if timed == "plan":
-            pull(s)
-        if not checked:
-            if not same_blocks(prod, pair.pblocks, cons, pair.cblocks):
-                raise Unavailable("loaded blocks differ from the saved ones")
-            checked = True
-        end_load(cons, s["creqs"], pair.cblocks)
-        if peer:
-            settle(prod, s["preqs"], s["dec"])
-
-    return Case(setup, schedule if timed == "plan" else pull, teardown, cold=timed != "plan")
-
-
 def sched_floor_case(point: Point) -> Case:
     """What any Python scheduler pays per step (the ``dict`` baseline of ``sched_step``): a C-level set
     intersection of each request's keys with the index, and one BlockLoad per request."""
@@ -404,8 +243,8 @@ def count_cases(names: Sequence[str], points: Sequence[Point], ops: Sequence[str
 
 
 # Small requests repeat more: every case of a point moves about as many bytes as ``reps`` repetitions of 128 MiB
-# (at most 16x the repetitions), so an 8 MiB median rests on 16x the samples at about the same cost. One 8 MiB
-# sample is over in ~1 ms, and on a shared VM the median of three swung a ratio by 2x from run to run.
+# (at most 16x the repetitions), so an 8 MiB median rests on 16x the samples at about the same cost: a small
+# sample is over in a millisecond, and the median of three would carry a shared machine's noise.
 REPS_BYTES = 128 << 20
 MAX_REPS_SCALE = 16
 

@@ -157,9 +157,8 @@ def time_interleaved(cases: Sequence[Case], reps: int, *, warmup: int = 1) -> li
     order rotated every round so that none always runs first; per case its :class:`Timing`, or the exception
     that ended it (the others go on without it).
 
-    Why: a ratio of two figures timed minutes apart is as good as this VM's drift allows: the same fs row
-    swung 0.57-0.78 between two quiet runs 15 minutes apart, and the file medium 6.6-14.8 GB/s in half an
-    hour. Timed round by round, a slow minute slows ours and its baseline alike, and their ratio keeps.
+    Why: a ratio of two figures timed minutes apart carries the machine's drift between those minutes (a
+    shared VM's file medium can change severalfold in half an hour). Timed round by round, a slow minute slows ours and its baseline alike, and their ratio keeps.
     """
     samples: list[list[float]] = [[] for _ in cases]
     ended: dict[int, Exception] = {}
@@ -436,8 +435,8 @@ def run_load(pool: KVPool, plan: StepPlan, reqs: Sequence[RequestInfo], *, timeo
     """Worker: start the loads and poll until every request is reported (timed); the failed blocks.
 
     Between polls it waits on the worker (``wait_idle``, woken when the transfers are over) rather than
-    sleeping a fixed interval: a 0.1 ms sleep cost ~0.1-0.15 ms of every load here, the harness's time,
-    not the backend's (an engine polls once per step, whatever the backend). The wait is bounded (0.2 ms):
+    sleeping a fixed interval: a fixed sleep adds up to its length to every load, the harness's time, not
+    the backend's (an engine polls once per step, whatever the backend). The wait is bounded (0.2 ms):
     work queued behind a load (a chain's promotion, after the load's report) keeps the worker busy, and
     must not be counted in the load."""
     w, sched = pool.worker, pool.scheduler

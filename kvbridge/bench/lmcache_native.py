@@ -30,8 +30,8 @@ its time (kvbridge's bench computes its block keys before the timed region).
 conformance target sets it up (the arena stages, every load reads LMCache's disk tier: against
 ``lmcache-native:disk``). The row ``lmcache:cpu`` is the same tier with LMCache's CPU arena as the store
 (``cpu_cache``, no disk, the arena sized as ``lmcache-native:cpu``'s plus room for two of kvbridge's largest
-objects; against ``lmcache-native:cpu``), measured here with the bench's own store cases
-(:func:`kvbridge.bench.cases.save_case` / ``load_case``: the same timing as every store row, the first load
+objects; against ``lmcache-native:cpu``), measured with the bench's own store cases
+(:func:`kvbridge.bench.pairs.save_case` / ``load_case``: the same timing as every store row, the first load
 checked byte for byte) because the bench has one store row per registered backend.
 
 **And kvbridge's chain with LMCache behind it**, as deployed for P/D: row ``chain:lmcache``, each engine's ``cpu``
@@ -295,7 +295,7 @@ def measure(
 def measure_ours_cpu(point: Point, reps: int) -> dict[str, Timing]:
     """``save`` and ``load`` of ``point`` through kvbridge's ``lmcache`` tier on LMCache's CPU arena alone, timed
     as the bench times every store (its store cases; the first load checked byte for byte)."""
-    from kvbridge.bench.cases import Pair, load_case, save_case
+    from kvbridge.bench.pairs import Pair, load_case, save_case
     from kvbridge.connectors.lmcache import LMCacheBackend, LMCacheOptions
     from kvbridge.testing.engine import Target
 
@@ -313,7 +313,7 @@ def measure_ours_chain(point: Point, reps: int) -> dict[str, Timing]:
     engines, every load a prompt saved just before (the bench's store cases, the first load checked byte
     for byte)."""
     from kvbridge import registry
-    from kvbridge.bench.cases import Pair, load_case, save_case
+    from kvbridge.bench.pairs import Pair, load_case, save_case
     from kvbridge.testing.engine import Target
 
     root = Path(tempfile.mkdtemp(prefix="kvbridge-bench-chain-lmcache-"))

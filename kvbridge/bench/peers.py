@@ -6,7 +6,7 @@ and by the bare medium, measured in the same run.
 The request is a bench :class:`~kvbridge.bench.core.Point` (Llama-3-8B: 32 layers x 8 KV heads x 128, bf16,
 block 16, blocks_first, so one block of one layer is 64 KiB contiguous; 1024 tokens = 64 blocks x 32 layers
 = 2048 descriptors = 128 MiB), with the block ids the ``ucx`` case uses: a random permutation of the
-producer's and of the consumer's free blocks (seeds 1 and 2, as :class:`~kvbridge.bench.cases.Pair`).
+producer's and of the consumer's free blocks (seeds 1 and 2, as :class:`~kvbridge.bench.pairs.Pair`).
 A producer process holds the KV; a consumer process reads the request's blocks out of it. Both are fresh
 children (:mod:`kvbridge.bench._peer_child`), so each system brings its own UCX (NIXL ships one) and
 ``UCX_TLS``, and the bench's own UCX runtime is untouched. The consumer fills its destination with a
@@ -22,7 +22,7 @@ so ``ratio`` is ucx/peer in throughput):
 - ``cma:2t``: the same descriptors cut in two pieces of equal bytes, read by two threads at once
   (``kvbridge._ucp.cma_start``, which cuts a read of 8 MiB or more so): the medium of the same-host lane
   as kvbridge reads it. On a machine with free cores one thread's copy is bound by its memory latency,
-  so two copy more (here ~1.5x at 128 MiB); ``cma`` stays the strict single-thread medium.
+  so two copy more; ``cma`` stays the strict single-thread medium.
 - ``ucp-get:tcp``, ``ucp-get:sm``: one ucp GET of the request's bytes as *one buffer* through
   ``kvbridge._ucp`` (producer ``Context(progress_thread=True)``, local memory mapped), over UCX's tcp with
   peer error handling (the ``ucp`` lane's medium), and over UCX's shared-memory transports with error
@@ -35,7 +35,7 @@ so ``ratio`` is ucx/peer in throughput):
   lists built before), the same ``UCX_TLS`` and error-handling mode as the ucp rows, with NIXL's
   progress thread off (the producer then polls ``get_new_notifs`` in a loop, as NIXL needs) and on.
   (``nixl_mode="prepped"`` in a :func:`spec` times ``make_prepped_xfer`` over lists prepared once, as
-  vLLM's NixlConnector does; on this machine it measured the same as ``initialize_xfer``.)
+  vLLM's NixlConnector does.)
 - ``mooncake:tcp``: Mooncake's transfer engine, ``batch_transfer_sync_read`` of the same descriptors over
   its TCP transport (P2P handshake, no metadata server). ``mooncake-transfer-engine-non-cuda`` needs
   Debian's ``libibverbs1`` even for TCP.

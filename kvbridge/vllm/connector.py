@@ -18,7 +18,7 @@ Configuration (``--kv-transfer-config``)::
 ``backend`` (only for :class:`KVBridgeConnector`: the registry name), ``namespace`` (replaces the
 default namespace derived from the model, e.g. for engines loading one model from different paths),
 and ``directory`` / ``advertise_url`` / ``directory_ttl_s`` (publish the engine's prefix cache for a
-cache-aware router: :mod:`kvbridge.vllm.publishing`).
+cache-aware router: :mod:`kvbridge.serving.publishing`).
 
 Mapping, in vLLM's call order:
 
@@ -76,8 +76,8 @@ from kvbridge.contract import (
 from kvbridge.errors import ConfigError, MissingDependency
 from kvbridge.keys import block_keys
 from kvbridge.layout import KVLayout
+from kvbridge.serving.publishing import CachePublisher, PublishOptions
 from kvbridge.stats import TransferStats
-from kvbridge.vllm.publishing import CachePublisher, PublishOptions
 
 log = logging.getLogger(__name__)
 
@@ -381,7 +381,7 @@ class SchedulerAdapter:
     def __init__(self, side: SchedulerSide, engine: EngineInfo, publisher: CachePublisher | None = None):
         self.side = side
         self.engine = engine
-        self.publisher = publisher  # the prefix cache, published for routers (kvbridge.vllm.publishing)
+        self.publisher = publisher  # the prefix cache, published for routers (kvbridge.serving.publishing)
         self.counters = _Counters(side)
         self._groups = len(engine.kv_groups) or 1
         self._requests: dict[str, RequestInfo] = {}
@@ -590,8 +590,9 @@ class WorkerAdapter:
         if self._idle:
             # Nothing to compute until a transfer lands, and vLLM steps again at once (in one process
             # its engine loop never sleeps): each such step holds the GIL, and the IO thread, which
-            # needs it back after every read, gets it once per switch interval (5 ms) — a 1,500-token
-            # load took 100-800 ms instead of 5. Waiting here, GIL released, lets the transfer run.
+            # needs it back after every read, gets it once per switch interval (5 ms), so a load
+            # took many times its own length. Waiting here, GIL released, lets the transfer run
+            # (benches/vllm/ttft.py --layout single).
             self._idle = False
             deadline = time.monotonic() + IDLE_WAIT_S
             self.side.wait_idle(IDLE_WAIT_S)
@@ -599,8 +600,8 @@ class WorkerAdapter:
             left = deadline - time.monotonic()
             if not report and left > 0:
                 # Nothing in flight and nothing to report, yet vLLM keeps stepping while it holds finished
-                # requests' blocks for us (a producer waiting for its consumers' releases: measured 1.6
-                # cores of an idle server): pace those steps instead of spinning.
+                # requests' blocks for us (a producer waiting for its consumers' releases): an idle
+                # server would spin on its cores. Pace those steps instead.
                 time.sleep(left)
                 report = self.side.poll()
         else:

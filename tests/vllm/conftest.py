@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # the tests import their helpers (pdkit) and run engine_run.py from here
+# the tests import pdkit from here (its processes are in helpers/), and test_ttft the ttft bench
+sys.path[:0] = [str(HERE), str(HERE.parents[1] / "benches" / "vllm")]
 
 from pdkit import PROMPT_LEN, Engine, make_tiny_llama  # noqa: E402
 

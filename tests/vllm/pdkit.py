@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).resolve().parent
-ENGINE_RUN = HERE / "engine_run.py"
+ENGINE_RUN = HERE / "helpers" / "engine_run.py"
 PROMPT_LEN = 200  # 6 full blocks of 32 and a partial one
 BLOCK = 32
 ENGINE_TIMEOUT = 400  # one engine subprocess, start to end (2 busy cores start an engine in ~30-90 s)

@@ -130,7 +130,7 @@ def bench_client(port: int, tmp: Path, model: Path, name: str, *, num_prompts: i
     """vLLM's serving benchmark (random 200-token prompts, 8 tokens out) against ``port``: its summary,
     or with ``wait=False`` a function that waits for it."""
     log = tmp / f"bench-{name}.log"
-    cmd = [sys.executable, str(Path(__file__).with_name("bench_client.py")), "--backend", "vllm",
+    cmd = [sys.executable, str(Path(__file__).parent / "helpers" / "bench_client.py"), "--backend", "vllm",
            "--base-url", f"http://127.0.0.1:{port}", "--model", "tiny", "--tokenizer", str(model),
            "--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "8", "--ignore-eos",
            "--num-prompts", str(num_prompts), "--request-rate", "8", "--seed", "1", "--disable-tqdm"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""An engine's prefix cache published for routers (:mod:`kvbridge.vllm.publishing`), with vLLM's own classes:
+"""An engine's prefix cache published for routers (:mod:`kvbridge.serving.publishing`), with vLLM's own classes:
 the connector's options checked at start-up, each request's blocks published at its end, and vLLM's KV-cache
 events — sent by vLLM's own ZMQ publisher — followed block by block, evictions included. The directory is a
 real metadata server's; a real engine behind a real proxy is in ``test_routing.py``.
@@ -67,7 +67,7 @@ def test_publishing_options_are_checked_on_every_role(vl: Any, extra: dict, mess
 def test_vllms_kv_events_are_followed_block_by_block(directory: str) -> None:
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
-    from kvbridge.vllm.publishing import KVEventFeed
+    from kvbridge.serving.publishing import KVEventFeed
 
     port = free_port()
     publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", topic="kv")
