@@ -43,7 +43,7 @@ from kvbridge.errors import ConfigError, TransferError
 from kvbridge.layout import KVLayout
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
-from kvbridge.store import StoreBackend, StoreIndex, StoreIO
+from kvbridge.store import StoreBackend, StoreIndex, StoreIO, as_transfer
 from kvbridge.transfer import Fallback, Started, Transfer
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
             )
         return [b for i, b in enumerate(op.block_ids) if i in need]
 
-    def begin_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | None:
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | None:
         """A load whose first tier serves every block and starts loads from the engine's thread (a P/D
         consumer's chain reading the shared fs, or its own cpu): started by that tier, and counted in its
         stats once over. The blocks it fails are asked of the next tiers on the IO thread, as :meth:`load`
@@ -258,8 +258,9 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
             return None
         t, _, tier_source = source.tiers[0]
         sub = BlockLoad(op.request_id, op.block_ids, op.keys, tier_source)
-        first = self._call(t, "begin_load", self.tiers[t].begin_load, sub, layout)
-        if first is None or first is _FAILED:
+        started = self._call(t, "start_load", self.tiers[t].start_load, sub, layout)
+        first = None if started is _FAILED else as_transfer(sub, started)
+        if first is None:
             return None
         tier = Started(op, first, functools.partial(self._tier_loaded, t, first, layout))
         if len(source.tiers) == 1:
@@ -304,14 +305,14 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
         overtakes it."""
         plan: tuple[TierShare, ...] = op.target.tiers if isinstance(op.target, ChainSave) else ()
         subs = [(t, BlockSave(op.request_id, *_picked(op, positions), target)) for t, positions, target in plan]
-        started = [(t, sub, self._call(t, "begin_save", self.tiers[t].begin_save, sub, layout)) for t, sub in subs]
+        started = [(t, sub, self._call(t, "start_save", self.tiers[t].start_save, sub, layout)) for t, sub in subs]
         stored = False
         for t, sub, handle in started:
             if handle is None:  # this tier saves here, while the started ones copy
                 stored |= self._saved(t, sub, layout, self.tiers[t].save, sub, layout)
         for t, sub, handle in started:
             if handle is not None and handle is not _FAILED:
-                stored |= self._saved(t, sub, layout, _complete, handle)
+                stored |= self._saved(t, sub, layout, _complete, as_transfer(sub, handle))
         if plan and not stored:
             raise TransferError(f"chain: every tier failed to save {op.request_id}")  # counted by the worker
 
@@ -328,8 +329,9 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
             tier.attach(layout)
 
 
-def _complete(save: Transfer) -> None:
+def _complete(save: Transfer | None) -> None:
     """Wait for a tier's started save and complete it; raise what failed it."""
+    assert save is not None
     save.wait()
     if save.failed():
         raise save.error or TransferError(f"chain: a tier did not store {save.op.request_id}")

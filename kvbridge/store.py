@@ -53,9 +53,16 @@ from kvbridge.lifecycle import Ending, LoadBook, Transfers
 from kvbridge.stats import TransferStats
 from kvbridge.transfer import Running, Started, Transfer
 
-# the older form of a natively started transfer (StoreIO.start_load / start_save): the running copy, and what
-# finishes it on the thread that polls (a load's: the block ids that did not arrive)
+# the older answer of StoreIO.start_load / start_save: the running copy, and what finishes it on the thread that
+# polls (a load's: the block ids that did not arrive). Taken until every store returns a handle (fs).
 StartedPair = tuple[Running, Callable[[], "Iterable[int] | None"]]
+
+
+def as_transfer(op: BlockLoad | BlockSave, started: Transfer | StartedPair | None) -> Transfer | None:
+    """A store's :meth:`StoreIO.start_load` / ``start_save`` answer as a handle (the older pair adapted)."""
+    if started is None or isinstance(started, Transfer):
+        return started
+    return Started(op, *started)
 
 log = logging.getLogger(__name__)
 
@@ -139,30 +146,20 @@ class StoreIO(abc.ABC):
         """Store blocks ``op.block_ids`` under ``op.keys``. Runs on the IO thread; the blocks stay
         untouched until it returns."""
 
-    def begin_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | None:
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | StartedPair | None:
         """Optional: start ``op`` now where no Python thread waits on it (native threads) and return its
         handle (:class:`~kvbridge.transfer.Started`: the running copy, and what gives the block ids that did
         not arrive once it is over, on the thread that polls; a :class:`~kvbridge.transfer.Fallback` where
         what is left would block, as a chain asking its next tier for what the first failed). ``None``:
         :meth:`load` runs it on the IO thread instead. The worker asks only when nothing is queued on the IO
-        thread, so a started load never overtakes a save it may read. Default: :meth:`start_load`'s pair."""
-        started = self.start_load(op, layout)
-        return None if started is None else Started(op, *started)
-
-    def begin_save(self, op: BlockSave, layout: KVLayout) -> Transfer | None:
-        """Optional: start ``op`` now where no Python thread waits on it and return its handle (completed on
-        the thread that polls; a raise fails the save). ``None``: :meth:`save` runs it on the IO thread.
-        Asked only when nothing is queued there. Default: :meth:`start_save`'s pair."""
-        started = self.start_save(op, layout)
-        return None if started is None else Started(op, *started)
-
-    def start_load(self, op: BlockLoad, layout: KVLayout) -> StartedPair | None:
-        """The older form of :meth:`begin_load`: ``(running, finish)``, adapted there. Kept for stores not yet
-        moved to handles (``fs``); a new store overrides :meth:`begin_load`."""
+        thread, so a started load never overtakes a save it may read. (The older answer, a ``(running,
+        finish)`` pair, is still taken: :func:`as_transfer`.)"""
         return None
 
-    def start_save(self, op: BlockSave, layout: KVLayout) -> StartedPair | None:
-        """The older form of :meth:`begin_save` (see :meth:`start_load`)."""
+    def start_save(self, op: BlockSave, layout: KVLayout) -> Transfer | StartedPair | None:
+        """Optional: start ``op`` now where no Python thread waits on it and return its handle (completed on
+        the thread that polls; a raise fails the save). ``None``: :meth:`save` runs it on the IO thread.
+        Asked only when nothing is queued there."""
         return None
 
     def write_back(self, op: BlockLoad, layout: KVLayout, failed: Sequence[int]) -> None:  # noqa: B027 - optional hook
@@ -497,7 +494,7 @@ class StoreWorker(WorkerSide):
                 self.layer_transfers.track(self._begin_layerwise(op, layout, self.layer_transfers),
                                            functools.partial(self._loaded, layout))
             else:
-                started = self._started(self.io.begin_load, op, layout)
+                started = self._started(self.io.start_load, op, layout)
                 self.transfers.track(started or self.transfers.run(op, functools.partial(self.io.load, op, layout)),
                                      functools.partial(self._loaded, layout))
         self.transfers.hold(plan.held)
@@ -522,9 +519,9 @@ class StoreWorker(WorkerSide):
 
         return transfers.run(op, run)
 
-    def _started(self, begin: Callable[[Any, KVLayout], Transfer | None], op: BlockLoad | BlockSave,
+    def _started(self, start: Callable[[Any, KVLayout], Transfer | StartedPair | None], op: BlockLoad | BlockSave,
                  layout: KVLayout) -> Transfer | None:
-        """``begin(op, layout)`` (:meth:`StoreIO.begin_load` or ``begin_save``): the handle of what the store
+        """``start(op, layout)`` (:meth:`StoreIO.start_load` or ``start_save``): the handle of what the store
         started on its native threads, or ``None`` for the IO thread to do it — always when something is
         queued there (a started transfer must not overtake it), or when starting failed (the IO thread then
         reports what fails, the ordinary way). No hand-off to the IO thread and back: a large share of a small
@@ -532,7 +529,7 @@ class StoreWorker(WorkerSide):
         if self.transfers.queued():
             return None
         try:
-            return begin(op, layout)
+            return as_transfer(op, start(op, layout))
         except Exception as exc:
             log.debug("native start of %s failed (%s): the IO thread moves it", op.request_id, exc)
             return None
@@ -573,7 +570,7 @@ class StoreWorker(WorkerSide):
             return
         ready = _forward_done(layout)
         for op in saves:
-            started = self._started(self.io.begin_save, op, layout) if ready is None else None
+            started = self._started(self.io.start_save, op, layout) if ready is None else None
             if started is None:
                 started = self.transfers.run(op, functools.partial(self.io.save, op, layout),
                                              before=None if ready is None else ready.synchronize)
@@ -623,4 +620,4 @@ def _forward_done(layout: KVLayout) -> Any:
     return event
 
 
-__all__ = ["LayerwiseIO", "StoreBackend", "StoreIO", "StoreIndex", "StoreScheduler", "StoreWorker"]
+__all__ = ["LayerwiseIO", "StoreBackend", "StoreIO", "StoreIndex", "StoreScheduler", "StoreWorker", "as_transfer"]

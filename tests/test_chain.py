@@ -415,13 +415,13 @@ def test_blocks_a_natively_started_tier_fails_are_asked_of_the_next(tmp_path, mo
         prompt = tokens(4, seed=9)
         sent = e.prefill("a", prompt)
         _, worker = stores(e)
-        real = worker.tiers[0].begin_load
+        real = worker.tiers[0].start_load
 
         def half_failed(op: BlockLoad, layout: KVLayout) -> Any:
             started = real(op, layout)
             return Started(op, started, lambda: sorted({*started.failed(), *op.block_ids[2:]}))
 
-        monkeypatch.setattr(worker.tiers[0], "begin_load", half_failed)
+        monkeypatch.setattr(worker.tiers[0], "start_load", half_failed)
         got = e.prefill("b", prompt)
         assert got.failed_blocks == [] and got.loaded_blocks == got.block_ids[:4]
         assert torch.equal(got.snapshot[:, :4], sent.snapshot[:, :4])

@@ -287,10 +287,10 @@ def test_a_load_waits_for_a_native_save_of_its_slots_that_no_poll_saw_over():
         keys = e.request("x", tokens(3, seed=8)).block_keys[:3]
         e.compute([5, 9, 2], keys)
         _, target = idx.reserve_save("s", keys)
-        started = pool.begin_save(BlockSave("s", (5, 9, 2), tuple(keys), target), e.layout)
+        started = pool.start_save(BlockSave("s", (5, 9, 2), tuple(keys), target), e.layout)
         assert started is not None and pool._saving  # not tagged yet: nothing polled it
         source = idx.reserve_load("l", keys)
-        load = pool.begin_load(BlockLoad("l", (40, 41, 42), tuple(keys), source), e.layout)
+        load = pool.start_load(BlockLoad("l", (40, 41, 42), tuple(keys), source), e.layout)
         assert load is not None and not pool._saving  # the load completed the save first
         assert load.wait(30) and load.failed() == frozenset() and load.error is None
         assert torch.equal(e.read([40, 41, 42]), e.expected(keys))

@@ -34,7 +34,7 @@ Semantics:
   expression each); else one ``index_select``/``index_copy_`` per layer (or one slice copy when the
   slots are consecutive).
 - With a CPU KV a load or save *starts* on the native module's threads from the engine's own call
-  (``begin_load`` / ``begin_save``: a :class:`~kvbridge.transfer.Started` handle): no hand-off to the IO thread and back, a cost each way that is a
+  (``start_load`` / ``start_save``: a :class:`~kvbridge.transfer.Started` handle): no hand-off to the IO thread and back, a cost each way that is a
   large share of a small move (``kvbridge bench --backends cpu --ops load``, its 8 MiB rows). A poll that sees it over reports it (a save's slots get their tags
   then; a load of such a slot planned earlier waits for its save first). Copies from 8 MiB are cut
   between the two threads; saves write the pool with streaming stores (the pool is not read soon:

@@ -138,7 +138,7 @@ class CpuPool(StoreIO):
             copies.copy_in(pool, slots[:n], op.block_ids[:n], layout)
         return op.block_ids[n:]
 
-    def begin_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | None:
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | None:
         """With a CPU KV, the load runs on the native module's threads, checked now (the slots' tags: they
         are pinned until the load is released) and reported by the poll that sees it over."""
         if self._native is None or self._stream is not None:
@@ -164,7 +164,7 @@ class CpuPool(StoreIO):
         streaming = len(blocks) * layout.num_layers * layout.block_bytes >= copies.STREAM_LOAD_BYTES
         return mod.cma_start(0, pool_at.addresses(np.asarray(slots)), kv.addresses(blocks), lengths, streaming=streaming)
 
-    def begin_save(self, op: BlockSave, layout: KVLayout) -> Transfer | None:
+    def start_save(self, op: BlockSave, layout: KVLayout) -> Transfer | None:
         """With a CPU KV, the save runs on the native module's threads; its slots are tagged once the
         poll sees it over (or a load of one of them waits for it)."""
         if self._native is None:

@@ -33,7 +33,7 @@ from kvbridge import registry
 from kvbridge.contract import EMPTY_PLAN, ScheduledRequest, WorkerReport
 from kvbridge.errors import ClosedError
 from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, MLA
-from kvbridge.store import StoreWorker
+from kvbridge.store import StoreWorker, as_transfer
 from kvbridge.testing.engine import MiniEngine, Target
 from kvbridge.testing.targets import target_for
 from kvbridge.transfer import Started, Transfer
@@ -99,7 +99,7 @@ class _Gate:
     """Holds a store's loads or saves back at the :class:`~kvbridge.store.StoreIO` boundary until
     :meth:`open`: a fake slow medium (a medium that is slow on demand cannot be made real in a unit test);
     the real load or save runs once the gate opens. ``entered`` is set when the first call reaches it.
-    A load or save the store starts on native threads (``begin_load``/``begin_save``) runs at once, but
+    A load or save the store starts on native threads (``start_load``/``start_save``) runs at once, but
     is not over until the gate opens."""
 
     def __init__(self, io: Any, method: str):
@@ -107,7 +107,7 @@ class _Gate:
         self.entered = threading.Event()
         self._open = threading.Event()
         self._shadowed: dict[str, Any] = {}  # instance attributes of the io's own (a fault hook's)
-        real, begin = getattr(io, method), getattr(io, f"begin_{method}")
+        real, start = getattr(io, method), getattr(io, f"start_{method}")
 
         def gated(*args: Any, **kwargs: Any) -> Any:
             self.entered.set()
@@ -115,14 +115,14 @@ class _Gate:
                 raise TimeoutError(f"conformance gate on {method} never opened")
             return real(*args, **kwargs)
 
-        def gated_begin(*args: Any, **kwargs: Any) -> Transfer | None:
-            started = begin(*args, **kwargs)
+        def gated_start(*args: Any, **kwargs: Any) -> Transfer | None:
+            started = as_transfer(args[0], start(*args, **kwargs))
             if started is None:
                 return None
             self.entered.set()
             return Started(started.op, _GatedRunning(started, self._open), started.failed)
 
-        for name, fn in ((method, gated), (f"begin_{method}", gated_begin)):
+        for name, fn in ((method, gated), (f"start_{method}", gated_start)):
             self._shadowed[name] = vars(io).get(name)
             setattr(io, name, fn)
 

@@ -65,11 +65,11 @@ def _failing_saves(io: Any, what: str) -> Iterator[None]:
     def refuse(*_args: Any, **_kwargs: Any) -> None:
         raise TransferError(f"{what}: saves fail (injected by the conformance suite)")
 
-    io.save, io.begin_save = refuse, lambda *_args, **_kwargs: None
+    io.save, io.start_save = refuse, lambda *_args, **_kwargs: None
     try:
         yield
     finally:
-        del io.save, io.begin_save
+        del io.save, io.start_save
 
 
 # -- memory ----------------------------------------------------------------------------------------
