@@ -37,7 +37,7 @@ Op = BlockLoad | BlockSave
 
 
 class Running(Protocol):
-    """A copy running where no Python thread waits on it (e.g. :class:`kvbridge._ucp.CmaRead`), or a :class:`Transfer`."""
+    """A copy running where no Python thread waits on it (e.g. a :class:`kvbridge._core.Job`), or a :class:`Transfer`."""
 
     def done(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> bool: ...

@@ -30,7 +30,7 @@ Semantics:
   ``wait_layer(i)`` waits only for layer ``i`` (vLLM: ``Lookup(is_async=False)``, no extra engine step
   for the request to wait in). Default off: the load runs a step ahead, asynchronously.
 - Moves are vectorized, never a Python loop over blocks: with a CPU KV, one native call copies every
-  piece of every layer (``kvbridge._ucp.cma_start``: addresses from block ids and slots in one numpy
+  piece of every layer (``kvbridge._core.copy_start``: addresses from block ids and slots in one numpy
   expression each); else one ``index_select``/``index_copy_`` per layer (or one slice copy when the
   slots are consecutive).
 - With a CPU KV a load or save *starts* on the native module's threads from the engine's own call

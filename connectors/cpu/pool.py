@@ -63,7 +63,7 @@ class CpuPool(StoreIO):
             kv = [block_words(v, torch.int32) for v in layout.layers]
             if all(w is not None for w in kv):
                 self._words = list(zip(kv, (block_words(self.pool[i], torch.int32) for i in range(layout.num_layers))))
-            mod, _ = native.load()
+            mod, _ = native.load_core()
             if mod is not None:
                 self._native = (mod, layout.addressing(), copies.slot_addressing(self.pool, layout.addressing()))
 
@@ -155,14 +155,14 @@ class CpuPool(StoreIO):
         return Started(op, running, failed)
 
     def _native_load(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> Any:
-        """Slots into blocks, started on the native threads (``cma_start``: cut between them from 8 MiB;
+        """Slots into blocks, started on the native threads (``copy_start``: cut between them from 8 MiB;
         streaming stores from :data:`~.copies.STREAM_LOAD_BYTES`, where the KV cannot stay cached anyway)."""
         assert self._native is not None
         mod, kv, pool_at = self._native
         blocks = layout.check_range(block_ids)
         lengths = kv.lengths(len(blocks))
         streaming = len(blocks) * layout.num_layers * layout.block_bytes >= copies.STREAM_LOAD_BYTES
-        return mod.cma_start(0, pool_at.addresses(np.asarray(slots)), kv.addresses(blocks), lengths, streaming=streaming)
+        return mod.copy_start(pool_at.addresses(np.asarray(slots)), kv.addresses(blocks), lengths, streaming=streaming)
 
     def start_save(self, op: BlockSave, layout: KVLayout) -> Transfer | None:
         """With a CPU KV, the save runs on the native module's threads; its slots are tagged once the
@@ -192,17 +192,17 @@ class CpuPool(StoreIO):
             self._tags[slot] = key
 
     def _save_args(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> tuple[Any, tuple[Any, ...]]:
-        """The native module, and its copy's arguments (pid 0, sources, destinations, lengths): blocks into slots."""
+        """The native module, and its copy's arguments (sources, destinations, lengths): blocks into slots."""
         assert self._native is not None
         mod, kv, pool_at = self._native
         blocks = layout.check_range(block_ids)
-        return mod, (0, kv.addresses(blocks), pool_at.addresses(np.asarray(slots)), kv.lengths(len(blocks)))
+        return mod, (kv.addresses(blocks), pool_at.addresses(np.asarray(slots)), kv.lengths(len(blocks)))
 
     def _native_save(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> Any:
         """Blocks into slots, started on the native threads, with streaming stores: the pool is not read
         soon, so its lines need not be read into the cache first."""
         mod, args = self._save_args(slots, block_ids, layout)
-        return mod.cma_start(*args, streaming=True)
+        return mod.copy_start(*args, streaming=True)
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         pool = self._pool()
@@ -218,7 +218,7 @@ class CpuPool(StoreIO):
             # learns of that load later (``kvbridge bench --backends chain --ops load``); the native threads
             # stay free for loads the engine waits on.
             mod, args = self._save_args(slots, op.block_ids, layout)
-            mod.cma_read(*args, streaming=True)
+            mod.copy(*args, streaming=True)
         elif copies.dma(pool, slot_runs := coalesce(slots)):
             self._dma_out(pool, slot_runs, op.block_ids, layout)
         else:

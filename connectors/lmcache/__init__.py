@@ -49,7 +49,7 @@ several objects (a long chunk, a chunked prefill) whose earlier object was evict
 and then fails from that block (recomputed, never wrong bytes).
 
 **Saves** allocate each object in LMCache's CPU arena and copy the blocks straight from the KV cache
-into it (no staging buffer: with a KV in host memory one call on :mod:`kvbridge._ucp`'s native threads,
+into it (no staging buffer: with a KV in host memory one call on :mod:`kvbridge._core`'s native threads,
 each block's crc32c taken beside its copy; else one ``index_select`` per layer into the object's
 block-major view, then the checksums: ``crc32c`` where it can be computed (the native module or
 ``google-crc32c``), else ``crc32``), write the header, and put it at once, so LMCache's disk writer

@@ -81,7 +81,7 @@ class LMCacheStore(Side, StoreIO):
         self._kind = codec.CHECKSUMS[options.checksum]
         self._staging = StagingPool()  # a KV that is not in host memory: gathered and scattered through host buffers
         self._views: tuple[KVLayout, list[torch.Tensor] | None] | None = None
-        self._native = native.load()[0]  # kvbridge._ucp where built: a KV in host memory copied by address
+        self._native = native.load_core()[0]  # kvbridge._core where built: a KV in host memory copied by address
 
     # -- geometry ------------------------------------------------------------------------------------
     def attach(self, layout: KVLayout) -> None:
@@ -401,9 +401,9 @@ class LMCacheStore(Side, StoreIO):
         body = np.uint64(at) + packed_offsets(lengths)
         src, dst = (kv, body) if into_object else (body, kv)
         if not checked:
-            self._native.cma_start(0, src, dst, lengths).result()
+            self._native.copy_start(src, dst, lengths).result()
             return np.zeros(0, np.uint32)
-        sums, _, _ = self._native.cma_start(0, src, dst, lengths, parts=len(lengths) // len(ids)).checked()
+        sums, _, _ = self._native.copy_start(src, dst, lengths, parts=len(lengths) // len(ids)).checked()
         return np.frombuffer(sums, "<u4")[: len(ids)]
 
     def _reject(self, m: Manager, key: Any, tier: str, bad: Corrupted) -> None:
