@@ -378,7 +378,7 @@ def test_a_consumer_reads_fs_from_its_own_thread_then_promotes(tmp_path, monkeyp
             store = producer.worker.io  # type: ignore[attr-defined]
             assert isinstance(store, FsStore)
             path = os.path.realpath(store.path_of(sent.keys[2]))
-            reads = store._locate(sent.keys, producer.layout.fingerprint)
+            reads = store.reader.locate(sent.keys, producer.layout.fingerprint)
             for r in reads:
                 os.close(r.fd)
             with open(path, "r+b") as f:
