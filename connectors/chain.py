@@ -43,7 +43,7 @@ from kvbridge.errors import ConfigError, TransferError
 from kvbridge.layout import KVLayout
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
-from kvbridge.store import StoreBackend, StoreIndex, StoreIO, as_transfer
+from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 from kvbridge.transfer import Fallback, Started, Transfer
 
 log = logging.getLogger(__name__)
@@ -258,9 +258,8 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
             return None
         t, _, tier_source = source.tiers[0]
         sub = BlockLoad(op.request_id, op.block_ids, op.keys, tier_source)
-        started = self._call(t, "start_load", self.tiers[t].start_load, sub, layout)
-        first = None if started is _FAILED else as_transfer(sub, started)
-        if first is None:
+        first = self._call(t, "start_load", self.tiers[t].start_load, sub, layout)
+        if first is None or first is _FAILED:
             return None
         tier = Started(op, first, functools.partial(self._tier_loaded, t, first, layout))
         if len(source.tiers) == 1:
@@ -312,7 +311,7 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
                 stored |= self._saved(t, sub, layout, self.tiers[t].save, sub, layout)
         for t, sub, handle in started:
             if handle is not None and handle is not _FAILED:
-                stored |= self._saved(t, sub, layout, _complete, as_transfer(sub, handle))
+                stored |= self._saved(t, sub, layout, _complete, handle)
         if plan and not stored:
             raise TransferError(f"chain: every tier failed to save {op.request_id}")  # counted by the worker
 
@@ -329,9 +328,8 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
             tier.attach(layout)
 
 
-def _complete(save: Transfer | None) -> None:
+def _complete(save: Transfer) -> None:
     """Wait for a tier's started save and complete it; raise what failed it."""
-    assert save is not None
     save.wait()
     if save.failed():
         raise save.error or TransferError(f"chain: a tier did not store {save.op.request_id}")

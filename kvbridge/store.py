@@ -24,7 +24,7 @@ import functools
 import logging
 import threading
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -51,18 +51,7 @@ from kvbridge.keys import group_key
 from kvbridge.layout import KVLayout
 from kvbridge.lifecycle import Ending, LoadBook, Transfers
 from kvbridge.stats import TransferStats
-from kvbridge.transfer import Running, Started, Transfer
-
-# the older answer of StoreIO.start_load / start_save: the running copy, and what finishes it on the thread that
-# polls (a load's: the block ids that did not arrive). Taken until every store returns a handle (fs).
-StartedPair = tuple[Running, Callable[[], "Iterable[int] | None"]]
-
-
-def as_transfer(op: BlockLoad | BlockSave, started: Transfer | StartedPair | None) -> Transfer | None:
-    """A store's :meth:`StoreIO.start_load` / ``start_save`` answer as a handle (the older pair adapted)."""
-    if started is None or isinstance(started, Transfer):
-        return started
-    return Started(op, *started)
+from kvbridge.transfer import Transfer
 
 log = logging.getLogger(__name__)
 
@@ -146,17 +135,16 @@ class StoreIO(abc.ABC):
         """Store blocks ``op.block_ids`` under ``op.keys``. Runs on the IO thread; the blocks stay
         untouched until it returns."""
 
-    def start_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | StartedPair | None:
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | None:
         """Optional: start ``op`` now where no Python thread waits on it (native threads) and return its
         handle (:class:`~kvbridge.transfer.Started`: the running copy, and what gives the block ids that did
         not arrive once it is over, on the thread that polls; a :class:`~kvbridge.transfer.Fallback` where
         what is left would block, as a chain asking its next tier for what the first failed). ``None``:
         :meth:`load` runs it on the IO thread instead. The worker asks only when nothing is queued on the IO
-        thread, so a started load never overtakes a save it may read. (The older answer, a ``(running,
-        finish)`` pair, is still taken: :func:`as_transfer`.)"""
+        thread, so a started load never overtakes a save it may read."""
         return None
 
-    def start_save(self, op: BlockSave, layout: KVLayout) -> Transfer | StartedPair | None:
+    def start_save(self, op: BlockSave, layout: KVLayout) -> Transfer | None:
         """Optional: start ``op`` now where no Python thread waits on it and return its handle (completed on
         the thread that polls; a raise fails the save). ``None``: :meth:`save` runs it on the IO thread.
         Asked only when nothing is queued there."""
@@ -519,7 +507,7 @@ class StoreWorker(WorkerSide):
 
         return transfers.run(op, run)
 
-    def _started(self, start: Callable[[Any, KVLayout], Transfer | StartedPair | None], op: BlockLoad | BlockSave,
+    def _started(self, start: Callable[[Any, KVLayout], Transfer | None], op: BlockLoad | BlockSave,
                  layout: KVLayout) -> Transfer | None:
         """``start(op, layout)`` (:meth:`StoreIO.start_load` or ``start_save``): the handle of what the store
         started on its native threads, or ``None`` for the IO thread to do it — always when something is
@@ -529,7 +517,7 @@ class StoreWorker(WorkerSide):
         if self.transfers.queued():
             return None
         try:
-            return as_transfer(op, start(op, layout))
+            return start(op, layout)
         except Exception as exc:
             log.debug("native start of %s failed (%s): the IO thread moves it", op.request_id, exc)
             return None
@@ -620,4 +608,4 @@ def _forward_done(layout: KVLayout) -> Any:
     return event
 
 
-__all__ = ["LayerwiseIO", "StoreBackend", "StoreIO", "StoreIndex", "StoreScheduler", "StoreWorker", "as_transfer"]
+__all__ = ["LayerwiseIO", "StoreBackend", "StoreIO", "StoreIndex", "StoreScheduler", "StoreWorker"]

@@ -33,7 +33,7 @@ from kvbridge import registry
 from kvbridge.contract import EMPTY_PLAN, ScheduledRequest, WorkerReport
 from kvbridge.errors import ClosedError
 from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, MLA
-from kvbridge.store import StoreWorker, as_transfer
+from kvbridge.store import StoreWorker
 from kvbridge.testing.engine import MiniEngine, Target
 from kvbridge.testing.targets import target_for
 from kvbridge.transfer import Started, Transfer
@@ -116,7 +116,7 @@ class _Gate:
             return real(*args, **kwargs)
 
         def gated_start(*args: Any, **kwargs: Any) -> Transfer | None:
-            started = as_transfer(args[0], start(*args, **kwargs))
+            started = start(*args, **kwargs)
             if started is None:
                 return None
             self.entered.set()
