@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from kvbridge.connectors.fs import native as fs_native
 from kvbridge.connectors.fs.evict import Shelf
@@ -23,6 +22,7 @@ from kvbridge.errors import Corrupted
 from kvbridge.layout import KVLayout
 from kvbridge.staging import StagingPool
 from kvbridge.store import StoreIO
+from kvbridge.transfer import Started, Transfer
 
 
 class FsStore(Tree, StoreIO):
@@ -68,7 +68,7 @@ class FsStore(Tree, StoreIO):
         plan = self.plan_read(op, layout)
         return op.block_ids[self.reader.load(op, layout, plan, self._native, self._blocks(layout)) :]
 
-    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Any, Callable[[], Sequence[int]]] | None:
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | None:
         """A load into a CPU KV, started from the engine's thread: its objects opened and their headers
         checked here, the blocks read and checked on the native threads (``file_start``), the sums
         compared by the poll that sees the read over; no hand-off to the IO thread and back (bench: ``fs
@@ -83,7 +83,7 @@ class FsStore(Tree, StoreIO):
         if started is None:
             return None  # nothing found (the IO thread's load reports it, the ordinary way), or older objects
         running, good = started
-        return running, lambda: op.block_ids[good() :]
+        return Started(op, running, lambda: op.block_ids[good() :])
 
     # -- saves ---------------------------------------------------------------------------------------
     def save(self, op: BlockSave, layout: KVLayout) -> None:
