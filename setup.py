@@ -70,7 +70,7 @@ def ucp_extension() -> list[Extension]:
     return [
         Extension(
             "kvbridge._ucp",
-            [f"{CSRC}/{name}.c" for name in ("args", "ucp_context", "ucp_region", "ucp_endpoint", "ucp_module")],
+            [f"{CSRC}/{name}.c" for name in ("args", "ucp_shared", "ucp_context", "ucp_region", "ucp_endpoint", "ucp_module")],
             depends=[f"{CSRC}/args.h", f"{CSRC}/ucp.h"],
             library_dirs=[os.path.join(prefix, "lib")],
             libraries=["ucp", "ucs", "pthread"],

@@ -1,5 +1,5 @@
 /* kvbridge._ucp's internal API: the one-sided data plane over ucp's stable C API, in plain C, its parts
- * (ucp_context.c, ucp_region.c, ucp_endpoint.c, ucp_module.c) joined by this header.  Built against the
+ * (ucp_shared.c, ucp_context.c, ucp_region.c, ucp_endpoint.c, ucp_module.c) joined by this header.  Built against the
  * UCX that setup.py finds (the libucx wheel or $UCX_HOME); the copies, file IO and checksums that need no
  * UCX are kvbridge._core (core.h), so each extension loads without the other.
  *
@@ -116,7 +116,7 @@ typedef struct {
 
 KVB_INTERNAL extern PyTypeObject ContextType, RegionType, EndpointType;
 
-/* ucp_context.c: children, the mutex's bookkeeping, the worker's sleep */
+/* ucp_shared.c: children, the mutex's bookkeeping, the worker's sleep, the open check */
 KVB_INTERNAL void child_link(ContextObject *c, ChildObject *ch);
 KVB_INTERNAL void child_unlink(ChildObject *ch);
 KVB_INTERNAL void busy_enter(ContextObject *c); /* mutex held */
