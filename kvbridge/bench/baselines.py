@@ -9,7 +9,7 @@ One that runs in the bench's own process is better written as a *stepped* baseli
 ``cm(nbytes, op, env)``: a context manager whose value is a :class:`~kvbridge.bench.core.Case` (its
 buffers and files live as long as the context). Entered in :data:`STEPPED`, it is timed round by
 round with the backend's own case (:func:`~kvbridge.bench.core.time_interleaved`), so a minute in
-which this VM runs slow slows both; :func:`timed` makes its ``BASELINES`` entry.
+which the machine runs slow slows both; :func:`timed` makes its ``BASELINES`` entry.
 """
 
 from __future__ import annotations
