@@ -30,7 +30,7 @@ Semantics:
   ``wait_layer(i)`` waits only for layer ``i`` (vLLM: ``Lookup(is_async=False)``, no extra engine step
   for the request to wait in). Default off: the load runs a step ahead, asynchronously.
 - Moves are vectorized, never a Python loop over blocks: with a CPU KV, one native call copies every
-  piece of every layer (``kvbridge._ucp.cma_start``: addresses from block ids and slots in one numpy
+  piece of every layer (``kvbridge._core.copy_start``: addresses from block ids and slots in one numpy
   expression each); else one ``index_select``/``index_copy_`` per layer (or one slice copy when the
   slots are consecutive).
 - With a CPU KV a load or save *starts* on the native module's threads from the engine's own call
@@ -287,7 +287,7 @@ class CpuPool(StoreIO):
             kv = [block_words(v, torch.int32) for v in layout.layers]
             if all(w is not None for w in kv):
                 self._words = list(zip(kv, (block_words(self.pool[i], torch.int32) for i in range(layout.num_layers))))
-            mod, _ = native.load()
+            mod, _ = native.load_core()
             if mod is not None:
                 self._native = (mod, layout.addressing(), _slot_addressing(self.pool, layout.addressing()))
 
@@ -379,14 +379,14 @@ class CpuPool(StoreIO):
         return running, failed
 
     def _native_load(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> Any:
-        """Slots into blocks, started on the native threads (``cma_start``: cut between them from 8 MiB;
+        """Slots into blocks, started on the native threads (``copy_start``: cut between them from 8 MiB;
         streaming stores from :data:`_STREAM_LOAD_BYTES`, where the KV cannot stay cached anyway)."""
         assert self._native is not None
         mod, kv, pool_at = self._native
         blocks = layout.check_range(block_ids)
         lengths = kv.lengths(len(blocks))
         streaming = len(blocks) * layout.num_layers * layout.block_bytes >= _STREAM_LOAD_BYTES
-        return mod.cma_start(0, pool_at.addresses(np.asarray(slots)), kv.addresses(blocks), lengths, streaming=streaming)
+        return mod.copy_start(pool_at.addresses(np.asarray(slots)), kv.addresses(blocks), lengths, streaming=streaming)
 
     def start_save(self, op: BlockSave, layout: KVLayout) -> tuple[Any, Callable[[], None]] | None:
         """With a CPU KV, the save runs on the native module's threads; its slots are tagged once the
@@ -416,17 +416,17 @@ class CpuPool(StoreIO):
             self._tags[slot] = key
 
     def _save_args(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> tuple[Any, tuple[Any, ...]]:
-        """The native module, and its copy's arguments (pid 0, sources, destinations, lengths): blocks into slots."""
+        """The native module, and its copy's arguments (sources, destinations, lengths): blocks into slots."""
         assert self._native is not None
         mod, kv, pool_at = self._native
         blocks = layout.check_range(block_ids)
-        return mod, (0, kv.addresses(blocks), pool_at.addresses(np.asarray(slots)), kv.lengths(len(blocks)))
+        return mod, (kv.addresses(blocks), pool_at.addresses(np.asarray(slots)), kv.lengths(len(blocks)))
 
     def _native_save(self, slots: Sequence[int], block_ids: Sequence[int], layout: KVLayout) -> Any:
         """Blocks into slots, started on the native threads, with streaming stores: the pool is not read
         soon, so its lines need not be read into the cache first."""
         mod, args = self._save_args(slots, block_ids, layout)
-        return mod.cma_start(*args, streaming=True)
+        return mod.copy_start(*args, streaming=True)
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         pool = self._pool()
@@ -441,7 +441,7 @@ class CpuPool(StoreIO):
             # took both cores of two, and the engine's thread, still handling the load it follows, learnt
             # of that load ~1.5 ms later at 32 MiB; the native threads stay free for loads the engine waits on.
             mod, args = self._save_args(slots, op.block_ids, layout)
-            mod.cma_read(*args, streaming=True)
+            mod.copy(*args, streaming=True)
         elif _dma(pool, slot_runs := coalesce(slots)):
             self._dma_out(pool, slot_runs, op.block_ids, layout)
         else:

@@ -58,7 +58,7 @@ block of the KV (``preadv`` into the per-layer pieces: the kernel's copy is the 
 it there. The block is the request's own, which the engine reads only after the load reports, and
 recomputes if the check failed — as a one-sided ucx read lands before its seal is checked. (Reading
 into a thread's buffer, checking, then copying into the KV cost a second copy: 0.61 of the raw
-medium at 128 MiB.) With a CPU KV, crc32c objects and :mod:`kvbridge._ucp` built, a load's blocks
+medium at 128 MiB.) With a CPU KV, crc32c objects and :mod:`kvbridge._core` built, a load's blocks
 and a save's (a window of objects) go to its ``file_start`` in one call: ``preadv``/``pwritev`` of
 each block's pieces and the block's crc32c beside, on the native threads, blocks cut between them,
 no Python per block (a Python thread per stretch of blocks cost more than the read: ~0.35 ms of an
@@ -170,9 +170,9 @@ class FsOptions:
         require(1 <= self.io_threads <= 64, f"fs option 'io_threads' must be in [1, 64], got {self.io_threads}")
 
 
-# a block of a save (its index in the op) -> views of its bytes; None where kvbridge._ucp moves the
+# a block of a save (its index in the op) -> views of its bytes; None where kvbridge._core moves the
 # blocks by address (FsStore._write_native); the addressing of a staging buffer holding the op's blocks in
-# order (a KV on a GPU, gathered into pinned memory) where kvbridge._ucp moves them from there
+# order (a KV on a GPU, gathered into pinned memory) where kvbridge._core moves them from there
 _Parts = Callable[[int], list[Any]] | BlockAddressing | None
 
 
@@ -544,7 +544,7 @@ class FsStore(_Tree, StoreIO):
         self._local = threading.local()  # each thread's block buffer
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._views: tuple[KVLayout, _Blocks | None] | None = None
-        # kvbridge._ucp where it loaded and has crc32c: reads checked without a Python object per block
+        # kvbridge._core where it loaded and has crc32c: reads checked without a Python object per block
         self._native = codec.native_crc32c()
 
     def attach(self, layout: KVLayout) -> None:
@@ -755,7 +755,7 @@ class FsStore(_Tree, StoreIO):
                 self._staging.give(staging)
 
     def _native_crc(self, layout: KVLayout, reads: Sequence[_Read] = ()) -> bool:
-        """Whether blocks move through :mod:`kvbridge._ucp` (``file_start``: moved and checked on its threads,
+        """Whether blocks move through :mod:`kvbridge._core` (``file_start``: moved and checked on its threads,
         no Python object per block): a CPU KV (any layout: a block's pieces are addressed) or one on a GPU
         (through pinned staging), read in place, objects checked with crc32c (this store's kind, and every
         object's a load reads)."""

@@ -49,7 +49,7 @@ several objects (a long chunk, a chunked prefill) whose earlier object was evict
 and then fails from that block (recomputed, never wrong bytes).
 
 **Saves** allocate each object in LMCache's CPU arena and copy the blocks straight from the KV cache
-into it (no staging buffer: with a KV in host memory one call on :mod:`kvbridge._ucp`'s native threads,
+into it (no staging buffer: with a KV in host memory one call on :mod:`kvbridge._core`'s native threads,
 each block's crc32c taken beside its copy; else one ``index_select`` per layer into the object's
 block-major view, then the checksums: ``crc32c`` where it can be computed (the native module or
 ``google-crc32c``), else ``crc32``), write the header, and put it at once, so LMCache's disk writer
@@ -554,7 +554,7 @@ class LMCacheStore(_Handle, StoreIO):
         self._kind = codec.CHECKSUMS[options.checksum]
         self._staging = StagingPool()  # a KV that is not in host memory: gathered and scattered through host buffers
         self._views: tuple[KVLayout, list[torch.Tensor] | None] | None = None
-        self._native = native.load()[0]  # kvbridge._ucp where built: a KV in host memory copied by address
+        self._native = native.load_core()[0]  # kvbridge._core where built: a KV in host memory copied by address
 
     # -- geometry ------------------------------------------------------------------------------------
     def attach(self, layout: KVLayout) -> None:
@@ -873,9 +873,9 @@ class LMCacheStore(_Handle, StoreIO):
         body = np.uint64(at) + packed_offsets(lengths)
         src, dst = (kv, body) if into_object else (body, kv)
         if not checked:
-            self._native.cma_start(0, src, dst, lengths).result()
+            self._native.copy_start(src, dst, lengths).result()
             return np.zeros(0, np.uint32)
-        sums, _, _ = self._native.cma_start(0, src, dst, lengths, parts=len(lengths) // len(ids)).checked()
+        sums, _, _ = self._native.copy_start(src, dst, lengths, parts=len(lengths) // len(ids)).checked()
         return np.frombuffer(sums, "<u4")[: len(ids)]
 
     def _reject(self, m: _Manager, key: Any, tier: str, bad: Corrupted) -> None:

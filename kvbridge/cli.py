@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import importlib
     import json
 
-    from kvbridge import registry
+    from kvbridge import native, registry
 
     rows: list[dict[str, Any]] = []
     for name, spec in registry.available().items():
@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     width = max(len(r["name"]) for r in rows)
+    print(f"{'native':<{width}}  {native.describe()}")
     for r in rows:
         state = "yes" if r["available"] else "no "
         line = f"{r['name']:<{width}}  {state}  {r['summary']}"

@@ -203,7 +203,7 @@ class BlockAddressing:
     def first_block(self) -> tuple[np.ndarray, np.ndarray]:
         """Addresses and lengths (``uint64``, read-only) of block 0's pieces in :meth:`by_block`'s order:
         block ``b``'s are its addresses plus ``b * block_stride``, its lengths the same. What a native call
-        takes instead of every block's (``kvbridge._ucp.file_start(block_ids=)``): no array per transfer."""
+        takes instead of every block's (``kvbridge._core.file_start(block_ids=)``): no array per transfer."""
         return self._first
 
     @functools.cached_property

@@ -51,7 +51,7 @@ POSTED_SLICE_S = 0.001  # how often a wait over posted loads and IO-thread work 
 
 
 class Running(Protocol):
-    """A transfer running where no Python thread waits on it (e.g. :class:`kvbridge._ucp.CmaRead`)."""
+    """A transfer running where no Python thread waits on it (e.g. a :class:`kvbridge._core.Job`)."""
 
     def done(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> bool: ...

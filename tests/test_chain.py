@@ -148,7 +148,7 @@ def test_a_tier_that_starts_its_save_natively_copies_while_the_next_one_saves(me
     try:
         sched, worker = stores(e)
         if worker.tiers[0]._native is None:  # type: ignore[attr-defined]
-            pytest.skip(f"kvbridge._ucp: {native.load()[1]}")
+            pytest.skip(f"kvbridge._core: {native.load_core()[1]}")
         seen: list[int] = []
         real_save = worker.tiers[1].save
 
@@ -357,7 +357,7 @@ def test_fs_directory_removed_mid_run(mem, tmp_path):
         e.close()
 
 
-@pytest.mark.skipif(not getattr(native.load()[0], "HAS_CRC32C", False), reason="kvbridge._ucp (crc32c) not here")
+@pytest.mark.skipif(native.crc32c_module() is None, reason="kvbridge._core (crc32c) not here")
 @pytest.mark.parametrize("damaged", [False, True])
 def test_a_consumer_reads_fs_from_its_own_thread_then_promotes(tmp_path, monkeypatch, damaged):
     """A P/D consumer's chain (its cpu, then the shared fs) that misses in cpu: fs starts the read from
@@ -404,7 +404,7 @@ def test_a_consumer_reads_fs_from_its_own_thread_then_promotes(tmp_path, monkeyp
         consumer.close()
 
 
-@pytest.mark.skipif(not getattr(native.load()[0], "HAS_CRC32C", False), reason="kvbridge._ucp (crc32c) not here")
+@pytest.mark.skipif(native.crc32c_module() is None, reason="kvbridge._core (crc32c) not here")
 def test_blocks_a_natively_started_tier_fails_are_asked_of_the_next(tmp_path, monkeypatch):
     """The cpu tier starts a load of 4 blocks from the engine's thread and reports the last 2 failed (a
     fault made on purpose: its copy cannot fail for real here); those 2 are read from fs on the IO

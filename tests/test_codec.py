@@ -106,7 +106,7 @@ def test_crc32c_from_either_source_is_crc32c(source, monkeypatch):
     """crc32c is there with either the native module or google-crc32c alone (vLLM's environment has no
     google-crc32c): the check value of "123456789", and the same sum over strided and empty parts."""
     if source == "native" and codec.native_crc32c() is None:
-        pytest.skip("kvbridge._ucp is not built with crc32c here")
+        pytest.skip("kvbridge._core is not built with crc32c here")
     if source == "google":
         pytest.importorskip("google_crc32c")
     monkeypatch.setattr(codec, "_google_crc32c" if source == "native" else "native_crc32c", lambda: None)

@@ -235,12 +235,12 @@ def test_counters():
 @pytest.mark.parametrize("copies", ["native", "torch"])
 @pytest.mark.parametrize("kv_format,dtype", [(BLOCKS_FIRST, torch.bfloat16), (KV_FIRST, torch.float16)])
 def test_scattered_blocks_and_scattered_slots_round_trip_bit_exact(kv_format, dtype, copies, monkeypatch):
-    """Both ways a CPU KV moves: one native descriptor copy (kvbridge._ucp), or torch's per-layer ops
+    """Both ways a CPU KV moves: one native descriptor copy (kvbridge._core), or torch's per-layer ops
     where the native module is missing (forced here)."""
     if copies == "torch":
-        monkeypatch.setattr(native, "load", lambda: (None, "forced off by the test"))
-    elif native.load()[0] is None:
-        pytest.skip(f"kvbridge._ucp: {native.load()[1]}")
+        monkeypatch.setattr(native, "load_core", lambda: (None, "forced off by the test"))
+    elif native.load_core()[0] is None:
+        pytest.skip(f"kvbridge._core: {native.load_core()[1]}")
     e = engine(8, kv_format=kv_format, dtype=dtype, num_blocks=128)
     try:
         idx, pool = parts(e)
@@ -283,7 +283,7 @@ def test_a_load_waits_for_a_native_save_of_its_slots_that_no_poll_saw_over():
     try:
         idx, pool = parts(e)
         if pool._native is None:
-            pytest.skip(f"kvbridge._ucp: {native.load()[1]}")
+            pytest.skip(f"kvbridge._core: {native.load_core()[1]}")
         keys = e.request("x", tokens(3, seed=8)).block_keys[:3]
         e.compute([5, 9, 2], keys)
         _, target = idx.reserve_save("s", keys)

@@ -761,11 +761,11 @@ def test_layers_of_separate_allocations(tmp_path):
 
 @pytest.mark.parametrize("writer, reader", [("native", "native"), ("native", "staging"), ("staging", "native")])
 def test_kv_first_moves_by_address_or_through_staging_alike(tmp_path, writer, reader):
-    """kv_first (K and V of a block apart): kvbridge._ucp moves each block's pieces by address where it is
+    """kv_first (K and V of a block apart): kvbridge._core moves each block's pieces by address where it is
     built (vLLM's CPU KV has this layout), else staging and one scatter. The objects are the same either
     way: each path reads what the other wrote, bit-exact."""
-    if native.load()[0] is None or not native.load()[0].HAS_CRC32C:
-        pytest.skip("kvbridge._ucp with crc32c is not here")
+    if native.crc32c_module() is None:
+        pytest.skip("kvbridge._core with crc32c is not here")
     opts = {"path": str(tmp_path), "checksum": "crc32c"}
     producer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="p", role="producer", seed=1, kv_format="kv_first")
     consumer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="c", role="consumer", seed=2, kv_format="kv_first")
@@ -835,7 +835,7 @@ def _store_dir(engine: MiniEngine) -> str:
     return str(workers[0].io.dir)  # type: ignore[attr-defined]
 
 
-@pytest.mark.skipif(not getattr(native.load()[0], "HAS_CRC32C", False), reason="kvbridge._ucp (crc32c) not here")
+@pytest.mark.skipif(native.crc32c_module() is None, reason="kvbridge._core (crc32c) not here")
 def test_a_load_is_started_from_the_engines_thread(tmp_path, monkeypatch):
     """With the native module and a CPU KV, the worker's load never goes to its IO thread (``load`` is
     broken on purpose): the objects are opened by ``start_step``, the bytes read on the native threads
@@ -926,7 +926,7 @@ def test_the_first_save_makes_every_folder_later_saves_make_none(tmp_path, monke
         consumer.close()
 
 
-@pytest.mark.skipif(not getattr(native.load()[0], "HAS_CRC32C", False), reason="kvbridge._ucp (crc32c) not here")
+@pytest.mark.skipif(native.crc32c_module() is None, reason="kvbridge._core (crc32c) not here")
 @pytest.mark.parametrize("staged", ["producer", "consumer", "both"])
 @pytest.mark.parametrize("kv_format", ["blocks_first", "kv_first"])
 def test_a_kv_the_host_cannot_address_moves_through_staging(tmp_path, monkeypatch, staged, kv_format):

@@ -8,6 +8,7 @@ one's. Every transfer is compared byte for byte.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -100,7 +101,7 @@ def test_every_layout_through_fs_with_a_cuda_kv_cache(layout: dict, tmp_path: Pa
 def test_native_get_from_gpu_memory_of_another_process() -> None:
     from kvbridge import native
 
-    ucp, why = native.load()
+    ucp, why = native.load_ucp()
     if ucp is None:
         pytest.skip(why)
     nbytes = 64 << 20
@@ -110,9 +111,15 @@ def test_native_get_from_gpu_memory_of_another_process() -> None:
         assert peer.stdout is not None
         info = json.loads(peer.stdout.readline())
         local = torch.zeros(nbytes // 8, dtype=torch.int64, device="cuda")
-        ctx = ucp.Context(progress_thread=True)
+        from kvbridge.connectors.ucx import cuda
+
+        ctx = ucp.Context(progress_thread=True, config=cuda.CONFIG, optional=cuda.OPTIONAL)  # as kvbridge's
         ep = ctx.connect(bytes.fromhex(info["worker"]))
         key = ep.add_rkey(bytes.fromhex(info["rkey"]))
+        path = cuda.get_path("cuda", ep.transports(), ctx.config)
+        print(f"\nlanes {ep.transports()}, gate {ctx.config}: {path}")
+        # the gate reached UCX (its cuda module loaded) and the peer is reached over cuda_ipc: zero-copy GETs
+        assert ctx.config == cuda.CONFIG and path.emulated is False, path
         n, size = 1024, 64 << 10  # scattered 64 KiB pieces
         order = np.random.default_rng(1).permutation(nbytes // size)[:n].astype(np.uint64)
         remote = np.uint64(info["address"]) + order * np.uint64(size)
@@ -138,3 +145,57 @@ def test_native_get_from_gpu_memory_of_another_process() -> None:
     finally:
         peer.kill()
         peer.wait()
+
+
+GUARD = r"""
+import json, os, subprocess, sys
+import numpy as np, torch
+from kvbridge import native
+from kvbridge.connectors.ucx import cuda, onesided
+from kvbridge.errors import ConfigError
+from kvbridge.layout import KVLayout
+ucp = native.load_ucp()[0]
+peer = subprocess.Popen([sys.executable, sys.argv[1], "--bytes", str(8 << 20), "--cuda"], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True)
+info = json.loads(peer.stdout.readline())
+ctx = onesided.context("")  # kvbridge's own context, made under this process's environment
+ep = ctx.connect(bytes.fromhex(info["worker"]))
+key = ep.add_rkey(bytes.fromhex(info["rkey"]))
+path = cuda.get_path("cuda", ep.transports(), ctx.config)
+local = torch.zeros((8 << 20) // 8, dtype=torch.int64, device="cuda")
+n = 128
+order = np.random.default_rng(2).permutation(n).astype(np.uint64)
+size = (8 << 20) // n
+moved = ep.get(np.uint64(info["address"]) + order * np.uint64(size),
+               np.uint64(local.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(size), size, key, 60.0)
+want = (np.arange((8 << 20) // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).reshape(n, -1)
+ok = bool(np.array_equal(local.cpu().numpy().view(np.uint64).reshape(n, -1), want[order.astype(np.int64)]))
+kv = list(torch.zeros(2, 16, 8, 16, 64, dtype=torch.bfloat16, device="cuda"))  # as test_layout_moves_cuda_blocks
+try:
+    onesided.Exporter(KVLayout.from_tensors(kv), "")
+    refused = ""
+except ConfigError as exc:
+    refused = str(exc)
+print(json.dumps({"emulated": path.emulated, "cause": path.cause, "moved": moved, "ok": ok, "refused": refused}))
+ep.close()
+peer.kill()
+"""
+
+
+@pytest.mark.parametrize("gate", ["n", "auto"])
+def test_the_guard_says_when_device_gets_would_be_emulated(gate: str) -> None:
+    """The user's UCX_CUDA_IPC_ENABLE_GET_ZCOPY wins over kvbridge's y, and the guard says what follows, on the
+    device: ``n`` — emulated, said by name, and a CUDA KV refused at registration with a ConfigError that says
+    what to set; ``auto`` (UCX's default) — zero-copy only with NVLink, said as possible. The GET itself
+    still moves every byte. Each case in a fresh process: kvbridge's context is made once per process."""
+    env = {**os.environ, "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": gate}
+    out = subprocess.run([sys.executable, "-c", GUARD, str(PEER)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\ngate {gate}: {got}")
+    assert got["ok"] and got["moved"] == 8 << 20
+    if gate == "n":
+        assert got["emulated"] is True and "serves PUTs only" in got["cause"]
+        assert "turns cuda_ipc GETs off" in got["refused"] and "set it to y" in got["refused"]
+    else:
+        assert got["emulated"] is None and "NVLinks" in got["cause"] and got["refused"] == ""

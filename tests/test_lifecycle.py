@@ -78,7 +78,7 @@ def test_transfers_absorb_failures_and_refuse_after_close() -> None:
 
 
 class _Gate:
-    """A transfer running on a thread Transfers does not own (as kvbridge._ucp.CmaRead does): over once set."""
+    """A transfer running on a thread Transfers does not own (as a kvbridge._core.Job does): over once set."""
 
     def __init__(self) -> None:
         self.event = threading.Event()

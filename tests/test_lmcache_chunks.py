@@ -223,14 +223,14 @@ def test_a_damaged_block_inside_a_chunk(tmp_path):
 
 @pytest.mark.parametrize("writer, reader", [("native", "numpy"), ("numpy", "native"), ("numpy", "numpy")])
 def test_native_and_numpy_copies_make_and_read_the_same_objects(tmp_path, writer, reader):
-    """A KV in host memory moves into and out of objects by address (kvbridge._ucp, each block checked where
+    """A KV in host memory moves into and out of objects by address (kvbridge._core, each block checked where
     it lands) or, where that module is missing (forced here), by numpy and torch copies checked in the
     arena first. Both make the same objects, bit-exact either way, kv_first too (K and V of a block apart);
     a damaged block fails from itself on whichever path reads it."""
     from kvbridge import native
 
-    if native.load()[0] is None:
-        pytest.skip("kvbridge._ucp is not here")
+    if native.load_core()[0] is None:
+        pytest.skip("kvbridge._core is not here")
     producer, consumer = _disk_pair(tmp_path, {"kv_format": "kv_first"}, chunk_tokens=256)
     try:
         for engine, path in ((producer, writer), (consumer, reader)):

@@ -80,7 +80,7 @@ def test_peers_are_baselines_of_ucx_and_missing_ones_say_why(monkeypatch):
 
 
 def test_ctypes_fallback_reads_merged_descriptors():
-    """The cma row's fallback without kvbridge._ucp: process_vm_readv of this process, adjacent runs merged."""
+    """The cma row's fallback without kvbridge._core: process_vm_readv of this process, adjacent runs merged."""
     import os
 
     src = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)

@@ -19,16 +19,15 @@ import torch
 
 pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
 
-from kvbridge.connectors.ucx import UcxBackend, UcxOptions  # noqa: E402
+from kvbridge.connectors.ucx import UcxBackend, UcxOptions, onesided  # noqa: E402
 
-from kvbridge import native  # noqa: E402
 from kvbridge.contract import NULL_BLOCK, EngineInfo, KVGroup, RequestInfo, WorkerReport, split_groups  # noqa: E402
 from kvbridge.keys import block_keys  # noqa: E402
 from kvbridge.layout import KVLayout  # noqa: E402
 from kvbridge.testing.engine import fill_pattern  # noqa: E402
 
-if native.load()[0] is None:
-    pytest.skip(f"several KV-cache groups need the one-sided lane: {native.load()[1]}", allow_module_level=True)
+if not onesided.available()[0]:
+    pytest.skip(f"several KV-cache groups need the one-sided lane: {onesided.available()[1]}", allow_module_level=True)
 
 BS, WINDOW, SLOTS, BLOCKS = 16, 32, 2, 64
 GROUPS = (KVGroup(SLOTS), KVGroup(SLOTS, WINDOW))  # full attention, then a 32-token sliding window

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
-from kvbridge import native  # noqa: E402
+from kvbridge.connectors.ucx import onesided  # noqa: E402
 
-if native.load()[0] is None:
-    pytest.skip(f"native one-sided module: {native.load()[1]}", allow_module_level=True)
+if not onesided.available()[0]:
+    pytest.skip(f"native one-sided module: {onesided.available()[1]}", allow_module_level=True)
 
 
 def _sibling(name: str) -> Any:

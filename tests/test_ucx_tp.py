@@ -16,15 +16,14 @@ import torch
 
 pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
 
-from kvbridge.connectors.ucx import UcxBackend, UcxOptions  # noqa: E402
+from kvbridge.connectors.ucx import UcxBackend, UcxOptions, onesided  # noqa: E402
 
-from kvbridge import native  # noqa: E402
 from kvbridge.errors import LayoutMismatch  # noqa: E402
 from kvbridge.layout import KV_FIRST, MLA, Cut, LayoutFingerprint, reslice  # noqa: E402
 from kvbridge.testing import MiniEngine  # noqa: E402
 
-if native.load()[0] is None:
-    pytest.skip(f"re-slicing needs the one-sided lane: {native.load()[1]}", allow_module_level=True)
+if not onesided.available()[0]:
+    pytest.skip(f"re-slicing needs the one-sided lane: {onesided.available()[1]}", allow_module_level=True)
 
 
 def _tokens(n: int, seed: int) -> list[int]:

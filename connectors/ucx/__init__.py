@@ -60,8 +60,10 @@ BACKEND = UcxBackend
 
 def describe() -> str:
     """Which data path a consumer takes here (for ``kvbridge backends``)."""
-    mod, why = native.load()
-    if mod is None:
+    from kvbridge.connectors.ucx import onesided
+
+    ok, why = onesided.available()
+    if not ok:
         return f"data path: two-sided tag sends (one-sided unavailable: {why})"
     return (f"data path: one-sided reads, {native.describe()}: cma on one host, else ucp GET with peer error "
             "handling (lane option)")

@@ -5,8 +5,8 @@ checks gets, in the handshake, what it needs to address every block: the layout'
 :class:`~kvbridge.layout.BlockAddressing`, the producer's pid and a probe (for ``cma``), and its UCX
 worker address and packed rkeys (for ``ucp``). Per load the consumer derives remote and local
 addresses from block ids with one numpy expression (:func:`batch`) and hands the whole batch to the
-native module (:mod:`kvbridge._ucp`), which merges adjacent descriptors and moves them with the GIL
-released: :func:`read` in the calling thread, or :func:`start` (``cma``) on a native thread that then
+native modules (``cma``: :mod:`kvbridge._core`, ``ucp``: :mod:`kvbridge._ucp`), which merge adjacent
+descriptors and move them with the GIL released: :func:`read` in the calling thread, or :func:`start` (``cma``) on a native thread that then
 reads the seal word, so a consumer engine can start a read from its step and count it at its next poll.
 No staging copy on either side, and the producer's Python does nothing per transfer.
 
@@ -70,9 +70,10 @@ import time
 from typing import Any
 
 import numpy as np
+from kvbridge.connectors.ucx import cuda
 
 from kvbridge import native
-from kvbridge.errors import LayoutMismatch, PeerUnreachable, ProtocolError, TransferTimeout
+from kvbridge.errors import ConfigError, LayoutMismatch, PeerUnreachable, ProtocolError, TransferTimeout
 from kvbridge.layout import BlockAddressing, Cut, KVLayout
 from kvbridge.metadata.types import PeerInfo
 
@@ -144,6 +145,16 @@ def decode_ask(data: bytes) -> tuple[str, bytes]:
 
 
 # ---- the process's native context ----------------------------------------------------------------------
+def available() -> tuple[bool, str]:
+    """Whether the one-sided lanes can run here: ``cma`` needs :mod:`kvbridge._core`, ``ucp``
+    :mod:`kvbridge._ucp`; without either the backend keeps its two-sided path (``auto`` falls back to it,
+    which a lane that exists only half could not). ``(False, why)`` otherwise."""
+    for mod, why in (native.load_core(), native.load_ucp()):
+        if mod is None:
+            return False, why
+    return True, ""
+
+
 _CTX: Any = None
 _CTX_LOCK = threading.Lock()
 
@@ -152,12 +163,13 @@ def context(tls: str) -> Any:
     """The process-wide native UCX context (with a progress thread: a producer's worker must progress for
     TCP GETs to be served), made on first use; raises :class:`PeerUnreachable` if the module is missing."""
     global _CTX
-    mod, why = native.load()
+    mod, why = native.load_ucp()
     if mod is None:
         raise PeerUnreachable(f"one-sided UCX unavailable: {why}")
     with _CTX_LOCK:
         if _CTX is None:
-            _CTX = mod.Context(tls=tls or None, progress_thread=True)
+            # the GET gate for device memory (cuda.CONFIG): set unless the user set UCX_<name> (the user wins)
+            _CTX = mod.Context(tls=tls or None, progress_thread=True, config=cuda.CONFIG, optional=cuda.OPTIONAL)
             # stop its progress thread and free UCX state before the interpreter (and ucxx) goes away
             atexit.register(_close_context)
         return _CTX
@@ -209,9 +221,12 @@ class Exporter:
         self._ucp_error = ""
         try:
             ctx = context(tls)
+            cuda.check_registration(_memory_type(layout), ctx.config)  # a CUDA KV that could only be emulated
             self._regions = [ctx.map(addr, n, memory_type=_memory_type(layout)) for addr, n in layout.regions()]
             self._seal_region = ctx.map(self.seals.words.ctypes.data, self.seals.words.nbytes, memory_type="host")
             self._worker = bytes(ctx.address)
+        except ConfigError:
+            raise  # nothing else can serve this KV: the engine's registration fails, saying what to set
         except Exception as exc:  # noqa: BLE001 - cma may still serve; say why ucp cannot
             self._ucp_error = f"{type(exc).__name__}: {exc}"
             log.info("one-sided ucp unavailable on this producer: %s", self._ucp_error)
@@ -292,6 +307,8 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
     ctx = context(tls)
     ep = ctx.connect(t[WORKER], error_handling=lane != "ucp-unsafe")
     try:
+        memory = "cuda" if layout.device_type == "cuda" or t.get(MEMORY, b"host") != b"host" else "host"
+        cuda.warn_once(cuda.get_path(memory, ep.transports(), ctx.config), theirs.engine_id)  # never silent
         regions = json.loads(t[RKEYS])
         index = [ep.add_rkey(bytes.fromhex(key)) for _, _, key in regions]
         layer_rkey = np.empty(len(addressing.bases), dtype=np.uint32)
@@ -310,7 +327,7 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
 
 def _peek(pid: int, address: int, out: np.ndarray) -> bool:
     """Fill ``out`` from ``address`` in process ``pid`` with one ``process_vm_readv``; ``False`` if it failed."""
-    mod, _ = native.load()
+    mod, _ = native.load_core()
     assert mod is not None
     try:
         mod.cma_read(pid, np.array([address], dtype=np.uint64), np.array([out.ctypes.data], dtype=np.uint64),
@@ -406,8 +423,6 @@ def batch(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.n
 def read(src: Source, todo: Batch, timeout_s: float) -> int:
     """Move ``todo`` (see :func:`batch`) in one call; raises on any failure (the caller counts nothing as
     loaded then)."""
-    mod, _ = native.load()
-    assert mod is not None
     if src.lane == "cma":
         try:  # started and waited for: a read of 8 MiB or more runs in two pieces at once
             return int(start(src, todo, NO_SEAL).result()[0])
@@ -424,9 +439,9 @@ def read(src: Source, todo: Batch, timeout_s: float) -> int:
 
 def start(src: Source, todo: Batch, seal: Seal) -> Any:
     """Start ``todo`` on a native thread of its own (``cma`` only), reading ``seal``'s word after the data:
-    a :class:`kvbridge._ucp.CmaRead` whose ``result()`` is ``(bytes, word)`` (word 0: no seal to read)
+    a :class:`kvbridge._core.CmaRead` whose ``result()`` is ``(bytes, word)`` (word 0: no seal to read)
     or raises ``OSError``. Nothing waits here; see :meth:`Puller.start`."""
-    mod, _ = native.load()
+    mod, _ = native.load_core()
     assert mod is not None and src.lane == "cma"
     _drain_at_exit(mod)
     return mod.cma_start(src.pid, todo.remote, todo.local, todo.lengths, seal_address=seal_address(src, seal))
@@ -435,7 +450,7 @@ def start(src: Source, todo: Batch, seal: Seal) -> Any:
 @functools.cache
 def _drain_at_exit(mod: Any) -> None:
     """Once: at interpreter exit, wait for started reads before the KV they write into can go."""
-    atexit.register(mod.cma_drain, 10.0)
+    atexit.register(mod.drain, 10.0)
 
 
 __all__ = ["LANES", "NO_SEAL", "SEAL_SLOTS", "Batch", "Exporter", "Seal", "Seals", "Source", "batch", "context",

@@ -42,7 +42,6 @@ from kvbridge.connectors.ucx.params import UcxSource, is_id
 from kvbridge.connectors.ucx.releaser import Releaser
 from kvbridge.connectors.ucx.staging import StagingPool, bury, chunk, sync
 
-from kvbridge import native
 from kvbridge.contract import BlockLoad, EngineInfo
 from kvbridge.errors import KVBridgeError, PeerUnreachable, ProtocolError, TransferError, TransferTimeout
 from kvbridge.layout import BlockAddressing, Cut, KVLayout, LayoutFingerprint, reslice
@@ -125,11 +124,11 @@ class Puller:
 
     def _handshake(self, client: MetadataClient, src: UcxSource, resliced: tuple[LayoutFingerprint, Cut] | None) -> _Peer:
         lane = self.options.lane
-        mod, why = native.load() if lane != "two-sided" else (None, "lane='two-sided'")
-        if mod is None and lane != "auto" and lane != "two-sided":
+        mod, why = onesided.available() if lane != "two-sided" else (False, "lane='two-sided'")
+        if not mod and lane != "auto" and lane != "two-sided":
             raise PeerUnreachable(f"lane={lane!r} needs the native module: {why}")
         if resliced is not None:  # another TP size: we ask for blocks of the layout its ranks must have
-            if mod is None:
+            if not mod:
                 raise PeerUnreachable(f"re-slicing KV across TP sizes needs a one-sided lane: {why}")
             theirs_fp, cut = resliced
             ask = onesided.encode_ask(src.remote_request_id, src.grant)
@@ -138,7 +137,7 @@ class Puller:
             if source is None:
                 raise ProtocolError(f"producer {theirs.engine_id} offers no one-sided access, which re-slicing needs")
             return _Peer(client, theirs, source=source)
-        if mod is not None:  # ask for one-sided access, naming the hand-off that entitles us to it
+        if mod:  # ask for one-sided access, naming the hand-off that entitles us to it
             ask = onesided.encode_ask(src.remote_request_id, src.grant)
             theirs = client.handshake(dataclasses.replace(self.info, transport={onesided.ASK: ask}))
             source = onesided.open_source(theirs, self.layout, lane, self.options.ucx_tls)

@@ -32,7 +32,6 @@ from kvbridge.connectors.ucx.options import UcxOptions, UcxStats
 from kvbridge.connectors.ucx.params import UcxPlan
 from kvbridge.connectors.ucx.staging import StagingPool, bury, chunk, sync
 
-from kvbridge import native
 from kvbridge.contract import EngineInfo
 from kvbridge.errors import ProtocolError
 from kvbridge.layout import KVLayout
@@ -78,8 +77,8 @@ class Server:
     def _export(self, layout: KVLayout) -> onesided.Exporter | None:
         if self.options.lane == "two-sided":
             return None
-        mod, why = native.load()
-        if mod is None:
+        ok, why = onesided.available()
+        if not ok:
             log.info("%s: one-sided reads unavailable (%s); serving two-sided pulls only", self.engine.engine_id, why)
             return None
         return onesided.Exporter(layout, self.options.ucx_tls)

@@ -155,7 +155,7 @@ def serve(spec: dict[str, Any]) -> None:
     if system == "ucp":
         from kvbridge import native
 
-        mod, why = native.load()
+        mod, why = native.load_ucp()
         if mod is None:
             raise SystemExit(why)
         ctx = mod.Context(tls=spec["tls"] or None, progress_thread=True)
@@ -197,7 +197,7 @@ def _cma(spec: dict[str, Any], peer: dict[str, Any], local: np.ndarray) -> tuple
     remote, laddr, lengths = descriptors(spec, peer["base"], int(local.ctypes.data))
     from kvbridge import native
 
-    mod, why = native.load()
+    mod, why = native.load_core()
     if mod is not None:
         want = int(lengths.sum())
 
@@ -214,11 +214,11 @@ def _cma(spec: dict[str, Any], peer: dict[str, Any], local: np.ndarray) -> tuple
                 if got != want:
                     raise AssertionError(f"cma_start moved {got} of {want} bytes")
 
-            return read_cut, f"kvbridge._ucp.cma_start (2 threads from 8 MiB), {len(remote)} descriptors{pages}"
-        return read, f"kvbridge._ucp.cma_read, {len(remote)} descriptors{pages}"
+            return read_cut, f"kvbridge._core.cma_start (2 threads from 8 MiB), {len(remote)} descriptors{pages}"
+        return read, f"kvbridge._core.cma_read, {len(remote)} descriptors{pages}"
     if not spec.get("allow_fallback"):
-        raise SystemExit(f"kvbridge._ucp not loaded: {why}")
-    return _ctypes_pvr(peer["pid"], remote, laddr, lengths), f"ctypes process_vm_readv (kvbridge._ucp: {why})"
+        raise SystemExit(f"kvbridge._core not loaded: {why}")
+    return _ctypes_pvr(peer["pid"], remote, laddr, lengths), f"ctypes process_vm_readv (kvbridge._core: {why})"
 
 
 def _ctypes_pvr(pid: int, remote: np.ndarray, local: np.ndarray, lengths: np.ndarray) -> Callable[[], None]:
@@ -256,7 +256,7 @@ def _ctypes_pvr(pid: int, remote: np.ndarray, local: np.ndarray, lengths: np.nda
 def _ucp(spec: dict[str, Any], peer: dict[str, Any], local: np.ndarray, keep: list[Any]) -> tuple[Callable[[], object], str]:
     from kvbridge import native
 
-    mod, why = native.load()
+    mod, why = native.load_ucp()
     if mod is None:
         raise SystemExit(f"kvbridge._ucp not loaded: {why}")
     ctx = mod.Context(tls=spec["tls"] or None)

@@ -64,16 +64,16 @@ def memcpy_stream(nbytes: int, op: str, env: Mapping[str, Any]) -> Iterator[Case
     (``memcpy``) uses plain stores, which first read every destination line that is not cached."""
     from kvbridge import native
 
-    mod, why = native.load()
+    mod, why = native.load_core()
     if mod is None:
-        raise Unavailable(f"kvbridge._ucp: {why}")
+        raise Unavailable(f"kvbridge._core: {why}")
     src = torch.empty(nbytes, dtype=torch.uint8)
     fill_random(src)
     dst = torch.empty_like(src)
     piece = min(nbytes, 1 << 20)
     offsets = torch.arange(0, nbytes - piece + 1, piece, dtype=torch.int64).numpy().astype("uint64")
     remote, local = offsets + src.data_ptr(), offsets + dst.data_ptr()
-    yield _each_run(lambda: mod.cma_start(0, remote, local, piece, streaming=True).result())
+    yield _each_run(lambda: mod.copy_start(remote, local, piece, streaming=True).result())
 
 
 @contextlib.contextmanager

@@ -16,11 +16,11 @@ included): a system that moves wrong bytes fails its row, loudly.
 Rows (:data:`PEERS`; each is a baseline of ``ucx``'s ``transfer`` in :data:`kvbridge.bench.cases.BENCH`,
 so ``ratio`` is ucx/peer in throughput):
 
-- ``cma``: ``process_vm_readv`` of the request's descriptors through ``kvbridge._ucp.cma_read`` (adjacent
+- ``cma``: ``process_vm_readv`` of the request's descriptors through ``kvbridge._core.cma_read`` (adjacent
   descriptors merged), the call kvbridge's own same-host lane makes: its raw medium. Without the native
   module, a ctypes ``process_vm_readv`` (the note says so).
 - ``cma:2t``: the same descriptors cut in two pieces of equal bytes, read by two threads at once
-  (``kvbridge._ucp.cma_start``, which cuts a read of 8 MiB or more so): the medium of the same-host lane
+  (``kvbridge._core.cma_start``, which cuts a read of 8 MiB or more so): the medium of the same-host lane
   as kvbridge reads it. On a machine with free cores one thread's copy is bound by its memory latency,
   so two copy more; ``cma`` stays the strict single-thread medium.
 - ``ucp-get:tcp``, ``ucp-get:sm``: one ucp GET of the request's bytes as *one buffer* through
@@ -91,11 +91,12 @@ class Peer:
         """Why this row cannot run here (a package or module absent), or None. Imports nothing heavy."""
         if self.system in ("cma", "ucp"):
             if self.system == "cma" and self.threads == 1:
-                return None  # without kvbridge._ucp the child falls back to ctypes, and says so
+                return None  # without kvbridge._core the child falls back to ctypes, and says so
             from kvbridge import native
 
-            mod, why = native.load()
-            return None if mod is not None else f"kvbridge._ucp not loaded: {why}"
+            name = "core" if self.system == "cma" else "ucp"
+            mod, why = native.load_core() if name == "core" else native.load_ucp()
+            return None if mod is not None else f"kvbridge._{name} not loaded: {why}"
         if self.system == "nixl":
             if not any(importlib.util.find_spec(m) for m in ("nixl_cu13", "nixl_cu12", "nixl")):
                 return f"NIXL not installed (nixl-cu13); {INSTALL}"

@@ -1,4 +1,4 @@
-"""A producer for tests/test_native.py: maps a buffer with a known pattern and serves one-sided reads.
+"""A producer for tests/test_native.py and tests/test_core.py (--no-ucp): maps a buffer with a known pattern and serves one-sided reads.
 
 Prints one JSON line (pid, buffer address and length, packed rkey and worker address in hex), then answers
 commands on stdin until EOF: ``sha OFFSET LENGTH`` prints the sha256 of that slice of its buffer.
@@ -29,15 +29,25 @@ def main() -> None:
     ap.add_argument("--bytes", type=int, required=True)
     ap.add_argument("--tls", default="")
     ap.add_argument("--cuda", action="store_true", help="serve the pattern from GPU memory (tests/test_gpu.py)")
+    ap.add_argument("--no-ucp", action="store_true", help="no UCX: only the pid and address, for cma reads")
     args = ap.parse_args()
+    if args.no_ucp:
+        buf = pattern(0, args.bytes // 8)
+        print(json.dumps({"pid": os.getpid(), "address": buf.ctypes.data, "length": buf.nbytes}), flush=True)
+        for _ in sys.stdin:
+            pass
+        return
     from kvbridge import native
 
-    ucp, reason = native.load()
+    ucp, reason = native.load_ucp()
     if ucp is None:
         print(json.dumps({"error": reason}), flush=True)
         sys.exit(1)
     buf = pattern(0, args.bytes // 8)
-    ctx = ucp.Context(tls=args.tls or None, progress_thread=True)
+    # as kvbridge's own context (connectors/ucx/cuda.py, not imported: it brings ucxx and torch): the GET
+    # gate for device memory set unless the environment sets it
+    gate = "CUDA_IPC_ENABLE_GET_ZCOPY"
+    ctx = ucp.Context(tls=args.tls or None, progress_thread=True, config={gate: "y"}, optional=[gate])
     address = buf.ctypes.data
     if args.cuda:
         import torch
