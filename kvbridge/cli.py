@@ -17,7 +17,8 @@ from kvbridge.errors import KVBridgeError
 # name -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "backends": ("kvbridge.cli", "list the backends and whether each can run here"),
-    "bench": ("kvbridge.bench.cli", "measure KV transfer cost of every available backend against baselines"),
+    "bench": ("kvbridge.bench.cli", "measure KV transfer cost of every available backend against baselines "
+              "('bench hosts': across emulated hosts)"),
     "simulate": ("kvbridge.simulate.cli", "simulate colocated vs disaggregated prefill/decode serving"),
     "metadata-server": ("kvbridge.metadata.server", "run the gRPC metadata server (handshake, release, directory)"),
     "proxy": ("kvbridge.serving.proxy", "P/D proxy: prefill on one vLLM server, decode on another"),
@@ -79,6 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         top.print_help()
         return 2
     name, rest = argv[0], argv[1:]
+    if name == "bench" and rest[:1] == ["hosts"]:  # the bench across emulated hosts: its own options
+        from kvbridge.bench import hosts
+
+        return hosts.main(rest[1:])
     module_name, summary = COMMANDS[name]
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"kvbridge {name}", description=summary)

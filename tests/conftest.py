@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.testing.hosts import Host, emulated_hosts
+from kvbridge.testing.hosts import unavailable as hosts_unavailable
 from kvbridge.testing.services import REDIS, RedisServer
 
 
@@ -19,3 +21,14 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def hosts() -> Iterator[list[Host]]:
+    """Two emulated hosts (kvbridge.testing.hosts), torn down even when the test fails; skips where they
+    cannot be made (not root, no network namespaces), saying why."""
+    reason = hosts_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with emulated_hosts(2) as made:
+        yield made

@@ -580,7 +580,8 @@ def test_soak_concurrent_pulls_bit_exact_and_flat(tmp_path: Path, capsys: pytest
         rc = producer.close()
     threads_after = {t.name for t in threading.enumerate()}
     with socket.socket() as s:
-        port_open = s.connect_ex(("127.0.0.1", int(address.rpartition(":")[2]))) == 0
+        host, _, port = address.rpartition(":")
+        port_open = s.connect_ex((host, int(port))) == 0
     mib = blocks * BLOCK_BYTES / 2**20
     with capsys.disabled():
         print(f"\nsoak ucx: {requests} requests in {rounds} rounds, {blocks} blocks, {mib:.0f} MiB in {elapsed:.1f}s "

@@ -54,7 +54,7 @@ def unpublish(options: UcxOptions, engine_id: str, rank: int) -> None:
 def lookup(options: UcxOptions, engine_id: str, rank: int) -> str | None:
     """The metadata address of worker ``rank`` of ``engine_id``, or ``None`` if none is published."""
     if options.metadata_port:
-        return f"{options.advertise_host}:{options.metadata_port + rank}"
+        return f"{options.advertised_host}:{options.metadata_port + rank}"
     found = _PUBLISHED.get((str(options.registry), engine_id, rank))
     if found:
         return found

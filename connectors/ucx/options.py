@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Literal
 
 from kvbridge.connectors.ucx import onesided
 
+from kvbridge import routable
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
 
@@ -19,7 +21,10 @@ class UcxOptions:
     """Options of the ``ucx`` backend (``kv_connector_extra_config``); every one has a loopback default.
 
     - ``advertise_host``: the host consumers dial for this engine's metadata server (and the one it
-      listens on, unless ``listen_host``).
+      listens on, unless ``listen_host``). Default: derived at start-up (:func:`kvbridge.routable.routable_host`:
+      the default route's source address, else the host's only address; a ``ConfigError`` that names
+      this option where several leave it unclear). Set it where consumers dial another name or address
+      (NAT, a Kubernetes service). A loopback value is refused by consumers on other hosts, saying so.
     - ``listen_host``: bind the metadata server here instead (e.g. ``0.0.0.0`` in a container).
     - ``metadata_port``: 0 = a free port per worker, published in ``registry_dir``; N = rank r listens on N+r.
     - ``registry_dir``: where workers publish their metadata address for their scheduler
@@ -43,7 +48,7 @@ class UcxOptions:
       :mod:`kvbridge.connectors.ucx.hugepages`): one-sided ``cma`` reads then walk 2 MiB pages.
     """
 
-    advertise_host: str = "127.0.0.1"
+    advertise_host: str = ""
     listen_host: str = ""
     metadata_port: int = 0
     registry_dir: str = ""
@@ -58,7 +63,9 @@ class UcxOptions:
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
-        require(bool(self.advertise_host), "advertise_host must not be empty")
+        require(not (self.advertise_host and routable.is_wildcard(self.advertise_host)),
+                f"advertise_host={self.advertise_host!r} is a listener's wildcard, not an address to dial "
+                "(set listen_host to it, and advertise_host to an address of this host)")
         require(0 <= self.metadata_port < 65536, f"metadata_port={self.metadata_port} outside [0, 65535]")
         require(self.timeout_s > 0, f"timeout_s={self.timeout_s} must be > 0")
         require(self.lease_s > 0, f"lease_s={self.lease_s} must be > 0")
@@ -68,8 +75,20 @@ class UcxOptions:
         require(self.lane in onesided.LANES, f"lane={self.lane!r} is not one of {', '.join(onesided.LANES)}")
 
     @property
+    def advertised_host(self) -> str:
+        """``advertise_host``, or where unset the routable address of this host (derived once per process)."""
+        return self.advertise_host or _derived_host(self.listen_host)
+
+    @property
     def registry(self) -> Path:
         return Path(self.registry_dir or Path(tempfile.gettempdir()) / f"kvbridge-ucx-{os.getuid()}")
+
+
+@functools.lru_cache(maxsize=8)
+def _derived_host(listen_host: str) -> str:
+    if listen_host and not routable.is_wildcard(listen_host):
+        return listen_host  # a listener bound to one address: consumers dial that one
+    return routable.routable_host("advertise_host")
 
 
 @dataclasses.dataclass

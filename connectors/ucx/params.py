@@ -23,6 +23,7 @@ import numpy as np
 from kvbridge.connectors.ucx import onesided
 from kvbridge.connectors.ucx.wire import MAX_BLOCK_ID, MAX_ID_BYTES, MAX_PULL_IDS
 
+from kvbridge import routable
 from kvbridge.contract import NULL_BLOCK
 
 MAX_GROUPS = 16  # KV-cache groups a hand-off may name (vLLM's hybrid models have 2 or 3)
@@ -131,6 +132,8 @@ def handoff_params(engine_id: str, request_id: str, block_ids: tuple[int, ...], 
         params["groups"] = groups
     if len(addresses) > 1 and all(addresses):
         params["metadata_addresses"] = list(addresses)
+    if any(a and routable.is_loopback(a.rpartition(":")[0]) for a in addresses):
+        params["net"] = routable.net_identity()  # a consumer elsewhere refuses loopback, saying why
     return params
 
 
@@ -187,6 +190,10 @@ def check_params(params: Any) -> tuple[Mapping[str, Any] | None, str]:
         return None, "engine_id, request_id or metadata_address malformed"
     if not isinstance(many, (list, tuple)) or not all(_is_address(a) for a in many):
         return None, "metadata_addresses malformed"
+    host = address.rpartition(":")[0]
+    if not routable.loopback_reaches(host, params.get("net")):
+        return None, (f"the producer advertises the loopback address {address} but runs on another host (network "
+                      "namespace); set advertise_host (or leave it unset) in the producer's kv_connector_extra_config")
     grant = params.get("grant", "")
     if not isinstance(grant, str) or len(grant) > 256 or not re.fullmatch(r"(?:[0-9a-f]{2})*", grant):
         return None, "grant malformed"

@@ -66,11 +66,12 @@ class Server:
         self._control_buf = np.empty(wire.CONTROL_BYTES, dtype=np.uint8)
         self._staging = StagingPool(layout, _SERVES * options.max_inflight)
         port = options.metadata_port + engine.rank if options.metadata_port else 0
-        self.server = MetadataServer(f"{options.listen_host or options.advertise_host}:{port}", token=options.token,
+        host = options.advertised_host  # derived, or ConfigError naming advertise_host: at start-up, not per load
+        self.server = MetadataServer(f"{options.listen_host or host}:{port}", token=options.token,
                                      on_handshake=self._handshake, on_release=self._release,
                                      on_confirm=self._confirm, directory=False)
         port = self.server.start()
-        self.address = f"{options.advertise_host}:{port}"
+        self.address = f"{host}:{port}"
         self._serving = rt.submit(self._control_loop())
         addresses.publish(options, engine.engine_id, engine.rank, self.address)
 

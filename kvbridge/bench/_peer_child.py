@@ -119,6 +119,16 @@ def _nixl_agent(name: str, spec: dict[str, Any]) -> Any:
     return agent
 
 
+def _own_host(spec: dict[str, Any]) -> str:
+    """Where this child's Mooncake engine listens and is dialled: loopback on one host, else this host's
+    routable address (``spec["across_hosts"]``, set by :mod:`kvbridge.bench.hosts`)."""
+    if not spec.get("across_hosts"):
+        return "127.0.0.1"
+    from kvbridge.routable import routable_host
+
+    return routable_host("the bench's Mooncake address")
+
+
 def _mooncake_engine() -> Any:
     try:
         from mooncake.engine import TransferEngine
@@ -171,12 +181,12 @@ def serve(spec: dict[str, Any]) -> None:
             pump = agent.get_new_notifs  # without its thread, NIXL's UCX worker moves only when called
     elif system == "mooncake":
         engine = _mooncake_engine()
-        if engine.initialize("127.0.0.1", "P2PHANDSHAKE", spec.get("protocol", "tcp"), "") != 0:
+        if engine.initialize(_own_host(spec), "P2PHANDSHAKE", spec.get("protocol", "tcp"), "") != 0:
             raise SystemExit("mooncake TransferEngine.initialize failed")
         if engine.register_memory(base, pool.nbytes) != 0:
             raise SystemExit("mooncake register_memory failed")
         keep.append(engine)
-        info["session"] = f"127.0.0.1:{engine.get_rpc_port()}"
+        info["session"] = f"{_own_host(spec)}:{engine.get_rpc_port()}"
     _say(info)
     while True:
         if pump is not None:
@@ -341,7 +351,7 @@ def _mooncake(spec: dict[str, Any], peer: dict[str, Any], local: np.ndarray, kee
     from importlib import metadata
 
     engine = _mooncake_engine()
-    if engine.initialize("127.0.0.1", "P2PHANDSHAKE", spec.get("protocol", "tcp"), "") != 0:
+    if engine.initialize(_own_host(spec), "P2PHANDSHAKE", spec.get("protocol", "tcp"), "") != 0:
         raise SystemExit("mooncake TransferEngine.initialize failed")
     if engine.register_memory(int(local.ctypes.data), local.nbytes) != 0:
         raise SystemExit("mooncake register_memory failed")

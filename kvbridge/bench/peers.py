@@ -152,9 +152,9 @@ def spec(name: str, point: Point, reps: int, *, warmup: int = 1, timeout_s: floa
 class _Child:
     """A child of :mod:`kvbridge.bench._peer_child`: its ``@@`` lines on a queue, its stderr in a file."""
 
-    def __init__(self, role: str, spec: dict[str, Any], env: dict[str, str]):
+    def __init__(self, role: str, spec: dict[str, Any], env: dict[str, str], prefix: Sequence[str] = ()):
         self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge.bench._peer_child", role], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvbridge.bench._peer_child", role], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)  # fmt: skip
         self.lines: queue.Queue[str | None] = queue.Queue()
         assert self.proc.stdout is not None
@@ -212,16 +212,17 @@ def measure(name: str, point: Point, reps: int, *, warmup: int = 1, timeout_s: f
     return run_spec(spec(name, point, reps, warmup=warmup, timeout_s=timeout_s))
 
 
-def run_spec(s: dict[str, Any]) -> PeerTiming:
+def run_spec(s: dict[str, Any], prefixes: tuple[Sequence[str], Sequence[str]] = ((), ())) -> PeerTiming:
     """Start the producer and the consumer of spec ``s`` (from :func:`spec`), relay the producer's
-    address line, and return the consumer's timings."""
+    address line, and return the consumer's timings. ``prefixes`` run them elsewhere (the producer's,
+    the consumer's: emulated hosts' ``Host.prefix()``, :mod:`kvbridge.bench.hosts`)."""
     name = s["name"]
     env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
     env.pop("UCX_TLS", None)  # the bench's own UCX runtime may have set it; each row names its lane
     if s["tls"]:
         env["UCX_TLS"] = s["tls"]
-    prod = _Child("serve", s, env)
-    cons = _Child("read", s, env)
+    prod = _Child("serve", s, env, prefixes[0])
+    cons = _Child("read", s, env, prefixes[1])
     try:
         start = 60.0
         cons.say(prod.line(start, f"{name} producer"))

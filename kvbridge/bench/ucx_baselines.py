@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -123,16 +123,29 @@ def two_processes(point: Point, reps: int, progress_mode: str = "thread") -> Tim
     is checked against the producer's sha256."""
     with tempfile.TemporaryDirectory(prefix="kvbridge-ucx-bench-") as registry:
         proc = _child("producer", registry, _point_json(point), progress_mode)
-        consumer = None
         try:
             digest = _line(proc)["sha256"]
-            consumer = _engine(point, "consumer", 2, registry, progress_mode)
+
+            def offer(rid: str) -> list[Any]:
+                _say(proc, op="offer", rid=rid)
+                return list(_line(proc)["params"])
+
+            return consume(point, reps, offer, digest, progress_mode)
+        finally:
+            _stop(proc)
+
+
+def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: str, progress_mode: str = "thread") -> Timing:
+    """The consumer's half of :func:`two_processes`: ``offer(rid)`` has the producer hand off its requests
+    again (their transfer params); ``reps`` timed pulls after a warm-up checked against ``digest``."""
+    with tempfile.TemporaryDirectory(prefix="kvbridge-ucx-bench-c-") as registry:
+        consumer = _engine(point, "consumer", 2, registry, progress_mode)
+        try:
             runs = request_blocks(point, consumer.layout.num_blocks, 2)
             full, tokens = point.blocks_per_request, list(range(point.blocks_per_request * point.block_size + 1))
             samples = []
             for i in range(reps + 1):
-                _say(proc, op="offer", rid=f"r{i}")
-                reqs = [consumer.request(f"c{i}-{k}", tokens, p) for k, p in enumerate(_line(proc)["params"])]
+                reqs = [consumer.request(f"c{i}-{k}", tokens, p) for k, p in enumerate(offer(f"r{i}"))]
                 for req, ids in zip(reqs, runs):
                     consumer.scheduler.on_allocated(req, ids, consumer.scheduler.lookup(req, 0).num_tokens)
                 plan = consumer.scheduler.plan_step([])
@@ -159,9 +172,7 @@ def two_processes(point: Point, reps: int, progress_mode: str = "thread") -> Tim
                     samples.append(dt)
             return Timing(tuple(samples))
         finally:
-            if consumer is not None:
-                consumer.close()
-            _stop(proc)
+            consumer.close()
 
 
 # ---- raw ucxx: sender child, receiver through the backend's runtime here -------------------------------
@@ -322,4 +333,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["measure", "tcp_processes", "ucxx_worker_address"]
+__all__ = ["consume", "measure", "tcp_processes", "two_processes", "ucxx_worker_address"]

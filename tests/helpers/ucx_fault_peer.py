@@ -24,13 +24,22 @@ Consumer commands:
 
 - ``{"op": "load", "rid": R, "tokens": N, "seed": S, "params": P}`` — the consumer's part of a prefill up to
   the start of the load (lookup, allocation, the plan with the load); answers ``{"started": n_tokens}``.
+- ``{"op": "begin", "rid": R, "tokens": N, "seed": S, "params": P}`` — like ``load``, keeping the request for ``end``.
+- ``{"op": "end", "rid": R, "wait": T}`` — pump until ``R``'s load is reported (or ``T`` s pass); answers
+  ``loaded`` / ``failed`` (block counts), ``exact`` (the loaded blocks equal what the producer computed for
+  their keys), ``sha`` (sha256 of the loaded full blocks, to compare with the producer's ``sha``),
+  ``seconds`` (from ``begin``), and frees the blocks.
+- ``{"op": "pull", "rid": R, "tokens": N, "seed": S, "params": P}`` — ``begin`` then ``end``.
 - ``{"op": "quit"}``.
+
+A producer's ``prefill`` answer carries ``sha`` too: ``{rid: sha256 of its full blocks}`` (the bytes that left).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import select
@@ -67,6 +76,31 @@ class _LyingLayout:
         return getattr(self._real, name)
 
 
+def _sha(blocks: torch.Tensor) -> str:
+    return hashlib.sha256(blocks.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _end(engine: MiniEngine, req: Any, ids: list[int], t0: float, timeout: float) -> dict[str, Any]:
+    """Wait for ``req``'s load report; what arrived, checked against what the producer computed."""
+    from kvbridge.contract import WorkerReport
+
+    rid = req.request_id
+    try:
+        report = WorkerReport.merge(engine.wait_for(lambda r: rid in r.finished_loading, timeout))
+    except Exception as exc:  # noqa: BLE001 - the test reads the reason
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    seconds = time.monotonic() - t0
+    failed = set(report.failed_blocks)
+    keys = list(req.block_keys)
+    got = engine.read(ids[: len(keys)])
+    exact = not failed and bool(torch.equal(got, engine.expected(keys)))
+    out = {"loaded": 0 if failed else len(keys), "failed": len(failed), "exact": exact, "sha": _sha(got),
+           "seconds": seconds}
+    engine.free(ids)
+    engine.scheduler.on_finished(req, ids)
+    return out
+
+
 def _say(obj: Any) -> None:
     print(json.dumps(obj), flush=True)
 
@@ -86,10 +120,11 @@ def main() -> None:
     ap.add_argument("--forge-head-size", type=int, default=0)
     ap.add_argument("--hang-release", action="store_true")
     ap.add_argument("--lane", default="auto")
+    ap.add_argument("--advertise-host", default="")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     options = UcxOptions(registry_dir=str(args.out / "registry"), lease_s=args.lease, timeout_s=args.timeout,
-                         chunk_bytes=args.chunk_bytes, lane=args.lane)
+                         chunk_bytes=args.chunk_bytes, lane=args.lane, advertise_host=args.advertise_host)
     backend = UcxBackend(options)
     geometry = {"num_layers": args.layers, "num_kv_heads": args.heads, "head_size": args.head_size, "block_size": 16,
                 "dtype": torch.bfloat16}
@@ -120,10 +155,12 @@ def main() -> None:
                 threading.Event().wait(120)
 
             server.server._on_release = hang
+    pending: dict[str, tuple[Any, list[int], float]] = {}  # rid -> request, its blocks, when its load began
     _say({"ready": True, "pid": os.getpid()})
     while True:
         if not select.select([sys.stdin], [], [], 0.01)[0]:
-            engine.pump()
+            if not pending:  # a pending load's report is for its "end" to read
+                engine.pump()
             continue
         line = sys.stdin.readline()
         if not line:
@@ -133,7 +170,8 @@ def main() -> None:
         if op == "prefill":
             engine.pump()
             sent = engine.prefill_many([(rid, tokens(n, seed), None) for rid, n, seed in cmd["reqs"]])
-            _say({"params": {r.request_id: r.finish.transfer_params for r in sent}})
+            _say({"params": {r.request_id: r.finish.transfer_params for r in sent},
+                  "sha": {r.request_id: _sha(r.snapshot[:, : len(r.keys)]) for r in sent}})
         elif op == "state":
             engine.pump()
             _say({"held": sorted(engine.held), "freed": sorted(engine.freed_late), "rss_mib": _rss_mib(),
@@ -150,6 +188,18 @@ def main() -> None:
             engine.worker.start_step(engine.scheduler.plan_step([]))
             engine.worker.finish_step()
             _say({"started": n})
+        elif op in ("begin", "pull"):
+            req = engine.request(cmd["rid"], tokens(cmd["tokens"], cmd["seed"]), cmd["params"])
+            n = engine.scheduler.lookup(req, 0).num_tokens
+            ids = engine.allocate(-(-len(req.prompt_token_ids) // engine.block_size))
+            engine.scheduler.on_allocated(req, ids, n)
+            pending[cmd["rid"]] = (req, ids, time.monotonic())
+            engine.worker.start_step(engine.scheduler.plan_step([]))
+            engine.worker.finish_step()
+            if op == "begin":
+                _say({"started": n})
+        if op == "end" or op == "pull":
+            _say(_end(engine, *pending.pop(cmd["rid"]), float(cmd.get("wait", 30))))
         elif op == "quit":
             break
     engine.close()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,17 +56,19 @@ fast.save_pretrained({str(path)!r})
 
 
 class Engine:
-    """One ``engine_run.py`` subprocess; :meth:`result` waits for it and returns its JSON."""
+    """One ``engine_run.py`` subprocess; :meth:`result` waits for it and returns its JSON. ``prefix`` runs it
+    elsewhere (an emulated host's ``Host.prefix()``); ``env`` adds to :func:`engine_env`."""
 
-    def __init__(self, workdir: Path, name: str, spec: dict[str, Any]):
+    def __init__(self, workdir: Path, name: str, spec: dict[str, Any], *, prefix: Sequence[str] = (),
+                 env: dict[str, str] | None = None):
         workdir.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.spec_path, self.out_path, self.log_path = (workdir / f"{name}.{ext}" for ext in ("spec.json", "out.json", "log"))
         self.spec_path.write_text(json.dumps(spec))
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, str(ENGINE_RUN), str(self.spec_path), str(self.out_path)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=engine_env(), cwd=workdir,
+            [*prefix, sys.executable, str(ENGINE_RUN), str(self.spec_path), str(self.out_path)],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**engine_env(), **(env or {})}, cwd=workdir,
             start_new_session=True,  # its group: a kill reaches the engine's worker processes too (tensor parallel)
         )  # fmt: skip
         self.started = time.monotonic()

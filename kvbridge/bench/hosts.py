@@ -1,0 +1,230 @@
+"""The bench across emulated hosts: kvbridge's ``ucx`` backend with its producer on host A and its consumer on
+host B (:mod:`kvbridge.testing.hosts`: own network, pid, uts, IPC and mount namespaces, one veth link),
+beside what else moves the same bytes over the same link, at link caps none / 25gbit / 10gbit.
+
+    kvbridge bench hosts [--tokens 1024,64] [--caps none,25gbit,10gbit] [--rows ...] [--reps 3] [--rounds 3]
+                         [--json PATH]
+
+Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROWS`):
+
+- ``kvbridge``: the ``ucx`` backend as deployed (:func:`kvbridge.bench.ucx_baselines.consume`: a producer
+  engine holds the point's requests in vLLM's layout, scattered blocks; the consumer engine pulls them in
+  one step; ``auto`` lane, which across hosts is a one-sided ucp GET over UCX's tcp); timed ``start_step``
+  to the last report; the warm-up checked by sha256.
+- ``tcp:1``, ``tcp:4``: plain TCP sockets (``sendall`` / ``recv_into``) moving the same byte count as one
+  buffer over 1 and 4 streams at once; the warm-up's bytes compared.
+- ``ucp-get``: one ucp GET of the bytes as one buffer over UCX's tcp with peer error handling
+  (:mod:`kvbridge.bench.peers` ``ucp-get:tcp``): the medium of kvbridge's cross-host lane.
+- ``nixl``, ``mooncake``: NIXL's READ over UCX tcp and Mooncake's TCP transfer engine of the same
+  scattered descriptors (``nixl:tcp``, ``mooncake:tcp``), where installed; "-" and the reason otherwise.
+
+Rows rotate between rounds (the machine's load drifts); each row reports the median of all its samples
+and the range of its per-round medians. UCX settings come from the environment (``UCX_TCP_TX_SEG_SIZE``,
+``UCX_TCP_RX_SEG_SIZE`` ...), which every child inherits; the report names the ``UCX_`` variables set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvbridge.bench import peers
+from kvbridge.bench.baselines import Unavailable
+from kvbridge.bench.core import SHAPES, Point
+from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable
+
+ROWS = ("kvbridge", "tcp:1", "tcp:4", "ucp-get", "nixl", "mooncake")
+CAPS = ("none", "25gbit", "10gbit")
+_PEER_ROWS = {"ucp-get": "ucp-get:tcp", "nixl": "nixl:tcp", "mooncake": "mooncake:tcp"}
+_ENV = {"UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
+
+
+class _Proc:
+    """A child on a host speaking ``@@`` JSON lines."""
+
+    def __init__(self, host: Host, argv: Sequence[str]):
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = host.popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=self.err, text=True, env={**os.environ, **_ENV})
+
+    def line(self, what: str) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("@@") or line.startswith("{"):
+                msg = dict(json.loads(line.removeprefix("@@")))
+                if "error" in msg:
+                    raise Unavailable(f"{what}: {msg['error']}")
+                return msg
+        self.err.seek(0)
+        raise Unavailable(f"{what} exited (rc {self.proc.wait()}): {self.err.read()[-400:]}")
+
+    def say(self, msg: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.say({"op": "quit"})
+            self.proc.wait(20)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
+        self.err.close()
+
+
+def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "thread") -> list[float]:
+    from kvbridge.bench.ucx_baselines import _point_json
+
+    with tempfile.TemporaryDirectory(prefix="kvbridge-hosts-bench-") as registry:
+        producer = _Proc(a, ["-m", "kvbridge.bench.ucx_baselines", "producer", registry, _point_json(point), progress_mode])
+        consumer = None
+        try:
+            digest = producer.line("producer")["sha256"]
+            consumer = _Proc(b, ["-m", "kvbridge.bench._host_child", "kvb-consumer", _point_json(point), str(reps),
+                                 progress_mode, digest])
+            while True:
+                msg = consumer.line("consumer")
+                if "samples" in msg:
+                    return [float(v) for v in msg["samples"]]
+                producer.say({"op": "offer", "rid": msg["offer"]})
+                consumer.say(producer.line("producer"))
+        finally:
+            if consumer is not None:
+                consumer.close()
+            producer.close()
+
+
+def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int) -> list[float]:
+    sender = _Proc(a, ["-m", "kvbridge.bench._host_child", "tcp-send", str(nbytes), str(streams)])
+    try:
+        port = sender.line("tcp sender")["port"]
+        receiver = _Proc(b, ["-m", "kvbridge.bench._host_child", "tcp-recv", a.address, str(port), str(nbytes),
+                             str(streams), str(reps)])
+        try:
+            return [float(v) for v in receiver.line("tcp receiver")["samples"]]
+        finally:
+            receiver.close()
+    finally:
+        sender.close()
+
+
+def measure_row(row: str, a: Host, b: Host, point: Point, reps: int) -> list[float]:
+    """``reps`` timed transfers of ``point``'s bytes by ``row``, from host ``a`` to host ``b`` (seconds)."""
+    if row == "kvbridge":
+        return _kvbridge(a, b, point, reps)
+    if row.startswith("tcp:"):
+        return _tcp(a, b, point.nbytes, int(row.split(":")[1]), reps)
+    name = _PEER_ROWS[row]
+    why = peers.PEERS[name].missing()
+    if why:
+        raise Unavailable(why)
+    spec = {**peers.spec(name, point, reps), "across_hosts": True}
+    return list(peers.run_spec(spec, (a.prefix(), b.prefix())).samples)
+
+
+def run(tokens: Sequence[int], caps: Sequence[str], rows: Sequence[str], reps: int, rounds: int,
+        shape: str = "8b", log: Any = None) -> list[dict[str, Any]]:
+    """Every row at every cap and size; rows rotated between rounds. One dict per (cap, tokens, row)."""
+    out: list[dict[str, Any]] = []
+    for cap in caps:
+        with EmulatedHosts(2, rate=None if cap == "none" else cap) as (a, b):
+            for t in tokens:
+                point = Point(SHAPES[shape], t)
+                per_round: dict[str, list[list[float]]] = {r: [] for r in rows}
+                notes: dict[str, str] = {}
+                for k in range(rounds):
+                    for row in [*rows[k % len(rows):], *rows[: k % len(rows)]]:
+                        if row in notes:
+                            continue
+                        try:
+                            per_round[row].append(measure_row(row, a, b, point, reps))
+                        except Unavailable as exc:
+                            notes[row] = f"not measured: {exc}"
+                        if log:
+                            print(f"  cap {cap} {t} tokens round {k + 1} {row}: "
+                                  f"{notes.get(row) or _gbps(point.nbytes, per_round[row][-1])}", file=log, flush=True)
+                for row in rows:
+                    out.append(_summary(cap, point, row, per_round[row], notes.get(row, "")))
+    return out
+
+
+def _gbps(nbytes: int, samples: Sequence[float]) -> str:
+    return f"{nbytes / statistics.median(samples) / 1e9:.2f} GB/s"
+
+
+def _summary(cap: str, point: Point, row: str, rounds: list[list[float]], note: str) -> dict[str, Any]:
+    rec: dict[str, Any] = {"cap": cap, "tokens": point.tokens, "bytes": point.nbytes, "row": row, "note": note}
+    if rounds:
+        every = [s for r in rounds for s in r]
+        medians = [point.nbytes / statistics.median(r) / 1e9 for r in rounds]
+        rec.update(gbps=point.nbytes / statistics.median(every) / 1e9, low=min(medians), high=max(medians),
+                   samples=every, rounds=len(rounds))
+    return rec
+
+
+def table(records: Sequence[dict[str, Any]]) -> str:
+    lines = [f"{'cap':7} {'tokens':>6} {'MiB':>5} {'row':9} {'GB/s':>6} {'(round medians)':>16} {'x tcp best':>10}  note"]
+    for rec in records:
+        best_tcp = max((r.get("gbps", 0.0) for r in records if r["cap"] == rec["cap"] and r["tokens"] == rec["tokens"]
+                        and r["row"].startswith("tcp:")), default=0.0)  # fmt: skip
+        if "gbps" in rec:
+            ratio = f"{rec['gbps'] / best_tcp:10.2f}" if best_tcp else f"{'-':>10}"
+            spread = "({:.2f}-{:.2f})".format(rec["low"], rec["high"])
+            lines.append(f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:9} {rec['gbps']:6.2f} "
+                         f"{spread:>16} {ratio}")
+        else:
+            lines.append(f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:9} {'-':>6} {'':16} "
+                         f"{'':10}  {rec['note'][:160]}")
+    return "\n".join(lines)
+
+
+def _list(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvbridge bench hosts", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="1024,64", help="tokens per request (Llama-3-8B KV: 128 KiB a token)")
+    ap.add_argument("--caps", default=",".join(CAPS), help="link caps, comma-separated: none or a tc rate (10gbit)")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated of {list(ROWS)}")
+    ap.add_argument("--reps", type=int, default=3, help="timed transfers per row and round (after one warm-up)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, rows rotated between them")
+    ap.add_argument("--json", metavar="PATH", help="also write the records as JSON")
+    args = ap.parse_args(argv)
+    why = unavailable()
+    if why:
+        print(f"kvbridge bench hosts: {why}", file=sys.stderr)
+        return 2
+    rows = _list(args.rows)
+    bad = [r for r in rows if r not in ROWS]
+    if bad or args.reps < 1 or args.rounds < 1:
+        ap.error(f"unknown rows {bad} (known: {list(ROWS)})" if bad else "--reps and --rounds must be >= 1")
+    tokens = [int(t) for t in _list(args.tokens)]
+    ucx_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_"))
+    print(f"kvbridge bench hosts: Llama-3-8B KV, scattered blocks; {args.rounds} rounds x {args.reps} reps; "
+          f"{ucx_env or 'no UCX_ variables set'}", flush=True)
+    t0 = time.perf_counter()
+    records = run(tokens, _list(args.caps), rows, args.reps, args.rounds, log=sys.stdout)
+    print(table(records))
+    print(f"({time.perf_counter() - t0:.0f} s; ratio: GB/s over the best plain-TCP row of the same cap and size)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ucx_env": ucx_env, "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["CAPS", "ROWS", "main", "measure_row", "run", "table"]

@@ -1,0 +1,108 @@
+"""The link's faults across emulated hosts, real (short versions for CI): the link cut mid-load (interface
+down, or every packet dropped by nftables), the producer's host crashed mid-load (every process of it
+killed) and the producer restarted there. Each time the in-flight load fails its blocks within the
+consumer's ``timeout_s`` (plus what dialling and the aborted release take), nothing arrives half-loaded
+as loaded, the producer's hold ends (release or lease), and once the link is back the same consumer
+process loads again, bit-exact. Needs root (skips, saying why, without).
+
+The producer (host A) sends through a link capped at ``RATE`` so that the load below lasts long enough
+to be cut in the middle; the consumer runs on host B; both are tests/helpers/ucx_fault_peer.py processes
+(64 KiB per block).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
+
+from kvbridge.testing.hosts import Host  # noqa: E402
+
+
+def _sibling(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"kvbridge_tests_{name}", Path(__file__).parent / "helpers" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hp = _sibling("hostpeer")
+
+RATE = "40mbit"  # 160 blocks of 64 KiB (10 MiB) take about 2 s: the cut lands mid-load
+TOKENS = 16 * 160 + 3
+TIMEOUT_S = 2.0  # the consumer's timeout_s
+LEASE_S = 4.0  # the producer's lease: a hold whose release cannot arrive ends by then
+CUT_AFTER_S = 0.4
+FAIL_WITHIN_S = CUT_AFTER_S + TIMEOUT_S + 3.0  # the stalled step's deadline, plus dialling and the aborted release
+
+
+def _producer(host: Host, out: Path) -> Any:
+    return hp.HostPeer(host, "producer", out, "--lease", str(LEASE_S), "--num-blocks", "256")
+
+
+def _consumer(host: Host, out: Path) -> Any:
+    return hp.HostPeer(host, "consumer", out, "--num-blocks", "256", "--timeout", str(TIMEOUT_S))
+
+
+def _cut_mid_load(producer: Any, consumer: Any, cut: Callable[[], None]) -> dict[str, Any]:
+    params, _ = producer.prefill("cut", TOKENS, seed=7)
+    assert consumer.ask(op="begin", rid="cut", tokens=TOKENS, seed=7, params=params)["started"] > 0
+    time.sleep(CUT_AFTER_S)
+    cut()
+    got = consumer.ask(op="end", rid="cut", wait=FAIL_WITHIN_S + 10, timeout=FAIL_WITHIN_S + 30)
+    assert "error" not in got, got  # the load was reported (failed), not left hanging
+    assert got["loaded"] == 0 and got["failed"] == hp.full_blocks(TOKENS), got  # every block fails, none counted
+    assert got["seconds"] < FAIL_WITHIN_S, got
+    return got
+
+
+def _loads_again(producer: Any, consumer: Any, rid: str) -> None:
+    tokens = 16 * 24 + 1
+    params, sent = producer.prefill(rid, tokens, seed=11)
+    got = consumer.ask(op="pull", rid=f"{rid}-c", tokens=tokens, seed=11, params=params, wait=30)
+    assert got["failed"] == 0 and got["loaded"] == hp.full_blocks(tokens) and got["exact"] and got["sha"] == sent, got
+
+
+@pytest.mark.parametrize("fault", ["link-down", "nft-drop"])
+def test_link_cut_mid_load_fails_in_time_and_loads_resume(hosts: list[Host], tmp_path: Path, fault: str) -> None:
+    a, b = hosts
+    a.set_rate(RATE)
+    producer, consumer = _producer(a, tmp_path / "p"), _consumer(b, tmp_path / "c")
+    try:
+        _cut_mid_load(producer, consumer, a.link_down if fault == "link-down" else a.drop)
+        if fault == "link-down":
+            a.link_up()
+        else:
+            a.undrop()
+        producer.wait_released(LEASE_S + 10)  # no leaked hold: the aborted release, or the lease
+        a.set_rate(None)
+        _loads_again(producer, consumer, "after")  # the same consumer process, no restart
+        producer.wait_released(10)
+    finally:
+        assert consumer.close() == 0
+        producer.close()
+
+
+def test_producer_host_crash_mid_load_then_restarted(hosts: list[Host], tmp_path: Path) -> None:
+    a, b = hosts
+    a.set_rate(RATE)
+    producer, consumer = _producer(a, tmp_path / "p"), _consumer(b, tmp_path / "c")
+    try:
+        _cut_mid_load(producer, consumer, a.crash)
+        assert producer.proc.wait(10) != 0  # the producer died with its host
+        producer.close()
+        a.boot()  # the host comes back, same address, and the producer is started again
+        a.set_rate(None)
+        producer = _producer(a, tmp_path / "p2")
+        _loads_again(producer, consumer, "restarted")
+        producer.wait_released(10)
+    finally:
+        assert consumer.close() == 0
+        producer.close()
