@@ -221,6 +221,24 @@ PyObject *kv_queue(JobObject *h) {
     return (PyObject *)h;
 }
 
+/* A job that runs on threads of its own (the tcp lane's streams, tcp_read.c) rather than the queue: it
+ * is marked running here so that wait(), done(), a fork and the handle's dealloc treat it like any job. */
+void kv_begin_own(kv_job *j) {
+    pthread_mutex_lock(&pool.lock);
+    j->gen = pool.gen;
+    j->done = 0;
+    pthread_mutex_unlock(&pool.lock);
+}
+
+void kv_end_own(kv_job *j, int err, uint64_t total) {
+    pthread_mutex_lock(&pool.lock);
+    j->total = total;
+    if (err && !j->err) j->err = err;
+    j->done = 1;
+    pthread_cond_broadcast(&pool.over);
+    pthread_mutex_unlock(&pool.lock);
+}
+
 int kv_check_blocks(kv_job *j, Py_ssize_t parts, const char *fn) {
     if (!crc_ready) {
         PyErr_Format(PyExc_RuntimeError, "%s: this CPU has no SSE4.2 (use google-crc32c)", fn);
