@@ -16,9 +16,8 @@ No staging copy on either side, and the producer's Python does nothing per trans
   (what UCX's own cma transport does, but here a dead producer is an ``OSError``, never an abort).
   Chosen by ``auto`` when the probe reads back: the consumer reads a random nonce at an address the
   producer named, which proves same host, same pid namespace, permission, and the right process.
-- ``tcp`` — kvbridge's own TCP streams (:mod:`.tcplane`): the producer's C threads write the KV
-  straight to several sockets, the consumer's read them straight into its KV. ``auto`` takes it between
-  hosts for a host-memory KV when the producer offers it.
+- ``tcp`` — kvbridge's own TCP streams (:mod:`.tcplane`), C threads on both ends. ``auto`` takes it between
+  hosts for a host-memory KV when the producer offers it and UCX has no RDMA lane to the producer.
 - ``ucp`` — UCX RMA GET with *peer error handling* (a dead peer is an error): RDMA with a site UCX,
   CUDA memory through UCX's cuda transports, TCP where asked for. ``auto`` takes it when neither ``cma``
   nor ``tcp`` can be used (CUDA KV, a producer without the tcp lane).
@@ -299,11 +298,10 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
                 tcp: tcplane.Settings | None = None) -> Source | None:
     """The way to read ``theirs`` one-sided under ``lane``, or ``None`` when it did not export its KV
     (an older or two-sided producer: the caller falls back). Raises when ``lane`` names one that fails.
-    With ``cut`` (another tensor-parallel size), the source addresses only those bytes of each block;
-    ``tcp``: the tcp lane's settings (its defaults when ``None``)."""
+    With ``cut`` (another TP size), the source addresses only those bytes of each block; ``tcp``: its settings."""
     t = theirs.transport
     if ADDRESSING not in t:
-        if lane in ("cma", "ucp", "ucp-unsafe"):
+        if lane in ("cma", "tcp", "ucp", "ucp-unsafe"):
             raise ProtocolError(f"producer {theirs.engine_id} offers no one-sided access (lane={lane!r})")
         return None
     addressing = BlockAddressing.from_json(t[ADDRESSING])
@@ -314,26 +312,29 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
         layout.addressing().check_compatible(addressing)
     num_blocks = int(t.get(BLOCKS, b"0"))
     host_kv = t.get(MEMORY, b"host") == b"host" and layout.device_type == "cpu"
+    address, _, slots = t.get(SEALS, b"0:0").decode().partition(":")
+    seals = (int(address), int(slots or 0))
     if lane in ("auto", "cma") and host_kv:
         pid = int(t[PID])
         if _probe(pid, t[PROBE]):
-            address, _, slots = t.get(SEALS, b"0:0").decode().partition(":")
-            return Source("cma", addressing, num_blocks, pid=pid, seals=(int(address), int(slots or 0)))
+            return Source("cma", addressing, num_blocks, pid=pid, seals=seals)
         if lane == "cma":
             raise PeerUnreachable(f"cma cannot read producer {theirs.engine_id} (pid {pid}): other host, "
                                   "pid namespace or permission (ptrace scope)")
-    address, _, slots = t.get(SEALS, b"0:0").decode().partition(":")
-    if lane in ("auto", "tcp") and host_kv and tcplane.offered(t):
-        return Source("tcp", addressing, num_blocks, seals=(int(address), int(slots or 0)),
-                      tcp=tcplane.connect(t, tcp or tcplane.Settings()))
-    if lane == "tcp":
+    tcp_ok = host_kv and tcplane.offered(t)
+    if lane == "tcp" and not tcp_ok:
         raise PeerUnreachable(f"producer {theirs.engine_id} offers no tcp lane" if host_kv else
                               "lane 'tcp' moves host-memory KV only (use 'ucp' for CUDA KV)")
+    if lane == "tcp" or (lane == "auto" and tcp_ok and WORKER not in t):
+        return Source("tcp", addressing, num_blocks, seals=seals, tcp=tcplane.connect(t, tcp or tcplane.Settings()))
     if WORKER not in t:
         raise PeerUnreachable(f"producer {theirs.engine_id} registered no KV with UCX; no one-sided lane left")
     ctx = context(tls)
     ep = ctx.connect(t[WORKER], error_handling=lane != "ucp-unsafe")
     try:
+        if lane == "auto" and tcp_ok and not {name for name, _ in ep.transports()} & cuda.RDMA_LANES:
+            ep.close(force=True)  # RDMA stays UCX's (a true one-sided GET); over TCP kvbridge's streams win
+            return Source("tcp", addressing, num_blocks, seals=seals, tcp=tcplane.connect(t, tcp or tcplane.Settings()))
         memory = "cuda" if layout.device_type == "cuda" or t.get(MEMORY, b"host") != b"host" else "host"
         cuda.warn_once(cuda.get_path(memory, ep.transports(), ctx.config), theirs.engine_id)  # never silent
         regions = json.loads(t[RKEYS])
@@ -349,7 +350,7 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
         ep.close(force=True)
         raise
     return Source("ucp" if lane != "ucp-unsafe" else lane, addressing, num_blocks, ep=ep, layer_rkey=layer_rkey,
-                  seals=(int(address), int(slots or 0)), seal_rkey=int(seal_rkey))  # fmt: skip
+                  seals=seals, seal_rkey=int(seal_rkey))  # fmt: skip
 
 
 def _peek(pid: int, address: int, out: np.ndarray) -> bool:

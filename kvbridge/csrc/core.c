@@ -17,7 +17,7 @@ static PyMethodDef module_methods[] = {
     {"cma_start", (PyCFunction)(void (*)(void))py_cma_start, METH_VARARGS | METH_KEYWORDS,
      "cma_start(pid, remote, local, lengths, seal_address=0, *, cut_bytes=8 MiB) -> CmaRead: cma_read on the "
      "copy threads, then the 8-byte word at seal_address"},
-    {"drain", kv_drain, METH_O, "drain(timeout_s) -> bool: no transfer queued or running on the copy threads"},
+    {"drain", kv_drain, METH_O, "drain(timeout_s) -> bool: no transfer queued or running on the copy threads (or the tcp lane's)"},
     {"file_start", (PyCFunction)(void (*)(void))py_file_start, METH_VARARGS | METH_KEYWORDS,
      "file_start(runs, addresses, lengths, parts, *, write=False, cut_bytes, block_ids=None, block_stride=0) -> "
      "FileIO: blocks moved, checked"},

@@ -25,7 +25,8 @@ static struct {
     kv_piece *head, *tail;
     int threads, busy;  /* threads made; pieces they are running now */
     unsigned long gen;  /* forks so far */
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0};
+    int own;            /* jobs running on threads of their own (kv_begin_own), for drain() */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0, 0};
 
 /* Whether j is over (the lock held).  A job queued before this process was forked ran, if at all, in
  * the parent: here it ends as cancelled, so that nothing (its handle's dealloc included) waits for it. */
@@ -96,7 +97,7 @@ static void pool_after_fork(void) {
     pthread_cond_init(&pool.work, NULL);
     pthread_cond_init(&pool.over, NULL);
     pool.head = pool.tail = NULL;
-    pool.threads = pool.busy = 0;
+    pool.threads = pool.busy = pool.own = 0;
     pool.gen++;
 }
 
@@ -227,6 +228,7 @@ void kv_begin_own(kv_job *j) {
     pthread_mutex_lock(&pool.lock);
     j->gen = pool.gen;
     j->done = 0;
+    pool.own++;
     pthread_mutex_unlock(&pool.lock);
 }
 
@@ -235,6 +237,7 @@ void kv_end_own(kv_job *j, int err, uint64_t total) {
     j->total = total;
     if (err && !j->err) j->err = err;
     j->done = 1;
+    if (j->gen == pool.gen) pool.own--; /* a job of the parent's, ended in a forked child, was never counted */
     pthread_cond_broadcast(&pool.over);
     pthread_mutex_unlock(&pool.lock);
 }
@@ -280,8 +283,9 @@ PyObject *kv_drain(PyObject *mod, PyObject *arg) {
     int idle;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&pool.lock);
-    while ((pool.head || pool.busy) && pthread_cond_timedwait(&pool.over, &pool.lock, &until) != ETIMEDOUT) {}
-    idle = !pool.head && !pool.busy;
+    while ((pool.head || pool.busy || pool.own) &&
+           pthread_cond_timedwait(&pool.over, &pool.lock, &until) != ETIMEDOUT) {}
+    idle = !pool.head && !pool.busy && !pool.own;
     pthread_mutex_unlock(&pool.lock);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(idle);
