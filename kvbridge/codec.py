@@ -82,10 +82,9 @@ fingerprint, so the header has a fixed size::
         24     16  the layout fingerprint's digest (:meth:`LayoutFingerprint.digest`, ASCII hex)
         40     16  blake2b-128 of the block key
 
-**Checksums.** ``crc32`` (zlib: always there) or ``crc32c`` (:mod:`kvbridge._core`'s own where built, which
-runs several lanes at once and folds with VPCLMULQDQ where the CPU has it, else ``google-crc32c``;
-:func:`have_crc32c` probes for either once). crc32c is the default where it exists because it is the faster
-of the two on every x86-64 with SSE4.2 (bench case: fs, load at 128 MiB, checked). A writer picks one; a reader verifies whichever kind an object names.
+**Checksums.** ``crc32`` (zlib: always there, but several times slower) or ``crc32c`` (:mod:`kvbridge._core`'s
+own where built, folded with carry-less multiplies on a CPU with VPCLMULQDQ, else ``google-crc32c``;
+:func:`have_crc32c` probes for either once; ``kvbridge bench`` fs rows show what a checked read costs). A writer picks one; a reader verifies whichever kind an object names.
 
 **Checks of a block object** (:meth:`BlockFormat.check`), in this order; each failure raises
 :class:`~kvbridge.errors.Corrupted`, whose ``damaged`` says what to do with the object

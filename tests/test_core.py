@@ -1,7 +1,7 @@
 """kvbridge._core, which needs no UCX: copies in this process (copy, copy_start), reads of another process
-(cma_read, cma_start, from tests/helpers/native_peer.py --no-ucp), a store's file IO (file_start) and crc32c, the copy
-threads (cut, waiter, scheduling policy, fork).  Every transfer is compared byte for byte; word i of the
-peer's buffer is i * PATTERN_K, so every byte read can be checked without a second copy."""
+(cma_read, cma_start, from tests/helpers/native_peer.py --no-ucp), the copy threads (cut, waiter, scheduling
+policy, fork).  Every transfer is compared byte for byte; word i of the peer's buffer is i * PATTERN_K, so
+every byte read can be checked without a second copy."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """kvbridge._ucp against real processes on loopback: byte-exact reads and writes, a peer that dies or stops
 mid-transfer, bad input, use after close (kvbridge._core's copies and cma reads: tests/test_core.py).  The
-peer is tests/helpers/native_peer.py; word i of its buffer is i * PATTERN_K, so every byte read can be checked here
-without a second copy."""
+peer is tests/helpers/native_peer.py; word i of its buffer is i * PATTERN_K, so every byte read can be checked
+here without a second copy."""
 
 from __future__ import annotations
 
