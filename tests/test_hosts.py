@@ -147,3 +147,23 @@ def test_teardown_on_failure_leaves_nothing() -> None:
 def test_bad_rate_is_refused() -> None:
     with pytest.raises(ValueError, match="10gbit"):
         EmulatedHosts(2, rate="fast")
+
+
+def test_pods_share_the_network_but_not_pids_or_shared_memory() -> None:
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with EmulatedHosts(2, pods=True) as (a, b):
+        assert a.netns == b.netns and a.address == b.address == "127.0.0.1"
+        server = _serve(a, "127.0.0.1")
+        try:
+            assert _dial(b, "127.0.0.1") == "hello from kvb-pod-a"  # one network: loopback crosses
+        finally:
+            server.kill()
+            server.wait(10)
+        a.run(["sh", "-c", "echo x > /dev/shm/kvb-probe"], check=True)
+        assert b.run(["ls", "/dev/shm"], capture_output=True, text=True).stdout.strip() == ""  # its own /dev/shm
+        pids_b = b.run(["sh", "-c", "ls /proc | grep -c '^[0-9]'"], capture_output=True, text=True).stdout
+        assert 0 < int(pids_b) < 10  # its own pid namespace
+    with pytest.raises(ValueError, match="rate"):
+        EmulatedHosts(2, pods=True, rate="10gbit")

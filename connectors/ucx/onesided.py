@@ -2,13 +2,13 @@
 
 The producer registers its KV once (:class:`Exporter`); a consumer that passed the metadata plane's
 checks gets, in the handshake, what it needs to address every block: the layout's
-:class:`~kvbridge.layout.BlockAddressing`, the producer's pid and a probe (for ``cma``), and its UCX
-worker address and packed rkeys (for ``ucp``). Per load the consumer derives remote and local
-addresses from block ids with one numpy expression (:func:`batch`) and hands the whole batch to the
-native modules (``cma``: :mod:`kvbridge._core`, ``ucp``: :mod:`kvbridge._ucp`), which merge adjacent
-descriptors and move them with the GIL released: :func:`read` in the calling thread, or :func:`start` (``cma``) on a native thread that then
-reads the seal word, so a consumer engine can start a read from its step and count it at its next poll.
-No staging copy on either side, and the producer's Python does nothing per transfer.
+:class:`~kvbridge.layout.BlockAddressing`, the producer's pid and a probe (``cma``), its TCP port and
+secret (``tcp``), its UCX worker address and packed rkeys (``ucp``). Per load the consumer derives
+remote and local addresses from block ids with one numpy expression (:func:`batch`) and hands the batch
+to the native modules (:mod:`kvbridge._core`, :mod:`kvbridge._ucp`), which merge adjacent descriptors
+and move them with the GIL released: :func:`read` in the calling thread, or :func:`start` (``cma``,
+``tcp``) on native threads that then read the seal word, so a consumer engine can start a read from its
+step and count it at its next poll. No staging copy, and the producer's Python does nothing per transfer.
 
 **Lanes** (option ``lane``):
 
@@ -18,9 +18,8 @@ No staging copy on either side, and the producer's Python does nothing per trans
   producer named, which proves same host, same pid namespace, permission, and the right process.
 - ``tcp`` — kvbridge's own TCP streams (:mod:`.tcplane`), C threads on both ends. ``auto`` takes it between
   hosts for a host-memory KV when the producer offers it and UCX has no RDMA lane to the producer.
-- ``ucp`` — UCX RMA GET with *peer error handling* (a dead peer is an error): RDMA with a site UCX,
-  CUDA memory through UCX's cuda transports, TCP where asked for. ``auto`` takes it when neither ``cma``
-  nor ``tcp`` can be used (CUDA KV, a producer without the tcp lane).
+- ``ucp`` — UCX RMA GET with *peer error handling* (a dead peer is an error): RDMA, CUDA memory, TCP
+  where asked for. ``auto`` takes it when neither ``cma`` nor ``tcp`` can be used.
 - ``ucp-unsafe`` — UCX GET with error handling off, which lets UCX choose cma itself. A producer killed
   mid-read can then abort the consumer (UCX 1.21) or complete the read "OK" with wrong bytes (1.22):
   documented opt-in only.
@@ -162,6 +161,14 @@ _CTX: Any = None
 _CTX_LOCK = threading.Lock()
 
 
+# UCX's TCP transport has no one-sided GET: it emulates one with active messages, the producer answering
+# in segments of TCP_TX_SEG_SIZE (8 KiB by default) that the consumer receives in TCP_RX_SEG_SIZE ones.
+# 64 KiB on both sides cuts the sends, receives and progress rounds per byte eightfold; `kvbridge bench
+# hosts` measures the lane (a row with UCX_TCP_TX_SEG_SIZE=8k UCX_TCP_RX_SEG_SIZE=8k in its environment
+# shows UCX's default). Both sides must agree for the gain: producers and consumers run this same code.
+TCP_CONFIG = {"TCP_TX_SEG_SIZE": "64k", "TCP_RX_SEG_SIZE": "64k"}
+
+
 def context(tls: str) -> Any:
     """The process-wide native UCX context (with a progress thread: a producer's worker must progress for
     TCP GETs to be served), made on first use; raises :class:`PeerUnreachable` if the module is missing."""
@@ -171,8 +178,10 @@ def context(tls: str) -> Any:
         raise PeerUnreachable(f"one-sided UCX unavailable: {why}")
     with _CTX_LOCK:
         if _CTX is None:
-            # the GET gate for device memory (cuda.CONFIG): set unless the user set UCX_<name> (the user wins)
-            _CTX = mod.Context(tls=tls or None, progress_thread=True, config=cuda.CONFIG, optional=cuda.OPTIONAL)
+            # the GET gate for device memory (cuda.CONFIG) and TCP's segments (TCP_CONFIG): each set unless
+            # the user set UCX_<name> (the user wins)
+            _CTX = mod.Context(tls=tls or None, progress_thread=True, config={**cuda.CONFIG, **TCP_CONFIG},
+                               optional=(*cuda.OPTIONAL, *TCP_CONFIG))
             # stop its progress thread and free UCX state before the interpreter (and ucxx) goes away
             atexit.register(_close_context)
         return _CTX
@@ -323,10 +332,10 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
                                   "pid namespace or permission (ptrace scope)")
     tcp_ok = host_kv and tcplane.offered(t)
     if lane == "tcp" and not tcp_ok:
-        raise PeerUnreachable(f"producer {theirs.engine_id} offers no tcp lane" if host_kv else
-                              "lane 'tcp' moves host-memory KV only (use 'ucp' for CUDA KV)")
+        raise PeerUnreachable(f"producer {theirs.engine_id} offers no tcp lane" if host_kv else "lane 'tcp' moves host-memory KV only")
+    tcp_source = functools.partial(Source, "tcp", addressing, num_blocks, seals=seals)
     if lane == "tcp" or (lane == "auto" and tcp_ok and WORKER not in t):
-        return Source("tcp", addressing, num_blocks, seals=seals, tcp=tcplane.connect(t, tcp or tcplane.Settings()))
+        return tcp_source(tcp=tcplane.connect(t, tcp or tcplane.Settings()))
     if WORKER not in t:
         raise PeerUnreachable(f"producer {theirs.engine_id} registered no KV with UCX; no one-sided lane left")
     ctx = context(tls)
@@ -334,7 +343,7 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
     try:
         if lane == "auto" and tcp_ok and not {name for name, _ in ep.transports()} & cuda.RDMA_LANES:
             ep.close(force=True)  # RDMA stays UCX's (a true one-sided GET); over TCP kvbridge's streams win
-            return Source("tcp", addressing, num_blocks, seals=seals, tcp=tcplane.connect(t, tcp or tcplane.Settings()))
+            return tcp_source(tcp=tcplane.connect(t, tcp or tcplane.Settings()))
         memory = "cuda" if layout.device_type == "cuda" or t.get(MEMORY, b"host") != b"host" else "host"
         cuda.warn_once(cuda.get_path(memory, ep.transports(), ctx.config), theirs.engine_id)  # never silent
         regions = json.loads(t[RKEYS])
@@ -393,13 +402,8 @@ def sealed(src: Source, seal: Seal, timeout_s: float = 1.0) -> bool:
     got = np.zeros(1, dtype=np.uint64)
     if src.lane == "cma":
         return _peek(src.pid, address, got) and int(got[0]) == seal[1]
-    if src.lane == "tcp":  # a request of no bytes: only the word
-        none = np.zeros(0, dtype=np.uint64)
-        try:
-            return int(src.tcp.start(none, none, none, address).result()[1]) == seal[1]
-        except OSError as exc:
-            log.info("reading the seal over tcp failed (%s): the release confirms", exc)
-            return False
+    if src.lane == "tcp":
+        return tcplane.seal_word(src.tcp, address) == seal[1]
     if src.seal_rkey < 0 or src.ep is None:
         return False
     one = np.ones(1, dtype=np.uint64)
@@ -456,16 +460,13 @@ def batch(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.n
 
 
 def read(src: Source, todo: Batch, timeout_s: float) -> int:
-    """Move ``todo`` (see :func:`batch`) in one call; raises on any failure (the caller counts nothing as
-    loaded then)."""
+    """Move ``todo`` (see :func:`batch`) in one call; raises on any failure (then nothing counts as loaded)."""
     if src.lane in STARTED:
         try:  # started and waited for: cma runs a read of 8 MiB or more in two pieces at once, tcp in streams
             return int(start(src, todo, NO_SEAL).result()[0])
-        except TimeoutError as exc:
-            raise TransferTimeout(f"{src.lane} read: {exc}") from None
         except OSError as exc:
-            raise PeerUnreachable(f"{src.lane} read" + (f" from pid {src.pid}" if src.lane == "cma" else "")
-                                  + f": {exc}") from None
+            where = f"{src.lane} read" + (f" from pid {src.pid}" if src.lane == "cma" else "")
+            raise (TransferTimeout if isinstance(exc, TimeoutError) else PeerUnreachable)(f"{where}: {exc}") from None
     t0 = time.monotonic()
     try:
         return int(src.ep.get(todo.remote, todo.local, todo.lengths, todo.rkeys, timeout_s))

@@ -28,6 +28,8 @@ import secrets
 import socket
 from typing import Any
 
+import numpy as np
+
 from kvbridge import native
 from kvbridge.errors import PeerUnreachable
 
@@ -107,4 +109,15 @@ def connect(transport: dict[str, bytes], settings: Settings) -> Any:
     return mod.TcpSource(_numeric(host), int(port), secret, streams=settings.streams, timeout_s=settings.timeout_s)
 
 
-__all__ = ["ADDRESS", "SECRET", "Server", "Settings", "connect", "offered", "why_not"]
+def seal_word(source: Any, address: int) -> int:
+    """The word at ``address`` of the producer's seal table, read now over ``source`` (a request of no
+    bytes); 0 when it cannot be read (then the release must confirm)."""
+    none = np.zeros(0, dtype=np.uint64)
+    try:
+        return int(source.start(none, none, none, address).result()[1])
+    except OSError as exc:
+        log.info("reading the seal over tcp failed (%s): the release confirms", exc)
+        return 0
+
+
+__all__ = ["ADDRESS", "SECRET", "Server", "Settings", "connect", "offered", "seal_word", "why_not"]

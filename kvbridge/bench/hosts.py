@@ -3,7 +3,7 @@ host B (:mod:`kvbridge.testing.hosts`: own network, pid, uts, IPC and mount name
 beside what else moves the same bytes over the same link, at link caps none / 25gbit / 10gbit.
 
     kvbridge bench hosts [--tokens 1024,64] [--caps none,25gbit,10gbit] [--rows ...] [--reps 3] [--rounds 3]
-                         [--json PATH]
+                         [--pods] [--json PATH]
 
 Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROWS`):
 
@@ -19,6 +19,11 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
   (:mod:`kvbridge.bench.peers` ``ucp-get:tcp``): the medium of kvbridge's cross-host lane.
 - ``nixl``, ``mooncake``: NIXL's READ over UCX tcp and Mooncake's TCP transfer engine of the same
   scattered descriptors (``nixl:tcp``, ``mooncake:tcp``), where installed; "-" and the reason otherwise.
+- ``cma`` (not a default row): ``process_vm_readv`` of the descriptors, which cannot cross a pid
+  namespace: its row says why it was not measured, the proof that kvbridge's ``auto`` cannot pick it.
+
+``--pods``: two pods on one node instead (:class:`~kvbridge.testing.hosts.EmulatedHosts` ``pods=True``: one
+network namespace, loopback only, each pod its own pid, uts, IPC and mount namespaces); no caps.
 
 Rows rotate between rounds (the machine's load drifts); each row reports the median of all its samples
 and the range of its per-round medians. UCX settings come from the environment (``UCX_TCP_TX_SEG_SIZE``,
@@ -43,9 +48,10 @@ from kvbridge.bench.baselines import Unavailable
 from kvbridge.bench.core import SHAPES, Point
 from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable
 
-ROWS = ("kvbridge", "kvbridge-ucp", "tcp:1", "tcp:4", "ucp-get", "nixl", "mooncake")
+ROWS = ("kvbridge", "kvbridge-ucp", "tcp:1", "tcp:4", "ucp-get", "nixl", "mooncake", "cma")
+DEFAULT_ROWS = ROWS[:-1]
 CAPS = ("none", "25gbit", "10gbit")
-_PEER_ROWS = {"ucp-get": "ucp-get:tcp", "nixl": "nixl:tcp", "mooncake": "mooncake:tcp"}
+_PEER_ROWS = {"ucp-get": "ucp-get:tcp", "nixl": "nixl:tcp", "mooncake": "mooncake:tcp", "cma": "cma"}
 _ENV = {"UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
 
 
@@ -135,11 +141,12 @@ def measure_row(row: str, a: Host, b: Host, point: Point, reps: int) -> list[flo
 
 
 def run(tokens: Sequence[int], caps: Sequence[str], rows: Sequence[str], reps: int, rounds: int,
-        shape: str = "8b", log: Any = None) -> list[dict[str, Any]]:
-    """Every row at every cap and size; rows rotated between rounds. One dict per (cap, tokens, row)."""
+        shape: str = "8b", log: Any = None, pods: bool = False) -> list[dict[str, Any]]:
+    """Every row at every cap and size; rows rotated between rounds. One dict per (cap, tokens, row).
+    ``pods``: two pods on one node (one network, own pid and IPC namespaces) instead of two hosts."""
     out: list[dict[str, Any]] = []
-    for cap in caps:
-        with EmulatedHosts(2, rate=None if cap == "none" else cap) as (a, b):
+    for cap in ["pods"] if pods else caps:
+        with EmulatedHosts(2, rate=None if cap in ("none", "pods") else cap, pods=pods) as (a, b):
             for t in tokens:
                 point = Point(SHAPES[shape], t)
                 per_round: dict[str, list[list[float]]] = {r: [] for r in rows}
@@ -198,7 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvbridge bench hosts", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1024,64", help="tokens per request (Llama-3-8B KV: 128 KiB a token)")
     ap.add_argument("--caps", default=",".join(CAPS), help="link caps, comma-separated: none or a tc rate (10gbit)")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated of {list(ROWS)}")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated of {list(ROWS)}")
+    ap.add_argument("--pods", action="store_true",
+                    help="two pods on one node (one network, own pid and IPC namespaces) instead of two hosts; no caps")
     ap.add_argument("--reps", type=int, default=3, help="timed transfers per row and round (after one warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, rows rotated between them")
     ap.add_argument("--json", metavar="PATH", help="also write the records as JSON")
@@ -213,10 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown rows {bad} (known: {list(ROWS)})" if bad else "--reps and --rounds must be >= 1")
     tokens = [int(t) for t in _list(args.tokens)]
     ucx_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_"))
-    print(f"kvbridge bench hosts: Llama-3-8B KV, scattered blocks; {args.rounds} rounds x {args.reps} reps; "
+    print(f"kvbridge bench hosts ({'two pods on one node' if args.pods else 'two hosts'}): Llama-3-8B KV, scattered "
+          f"blocks; {args.rounds} rounds x {args.reps} reps; "
           f"{ucx_env or 'no UCX_ variables set'}", flush=True)
     t0 = time.perf_counter()
-    records = run(tokens, _list(args.caps), rows, args.reps, args.rounds, log=sys.stdout)
+    records = run(tokens, _list(args.caps), rows, args.reps, args.rounds, log=sys.stdout, pods=args.pods)
     print(table(records))
     print(f"({time.perf_counter() - t0:.0f} s; ratio: GB/s over the best plain-TCP row of the same cap and size)")
     if args.json:

@@ -219,20 +219,34 @@ def _rate_bits(rate: str) -> int:
 
 
 class EmulatedHosts:
-    """``n`` hosts joined by a link (veth pair, or a bridge for three or more); a context manager."""
+    """``n`` hosts joined by a link (veth pair, or a bridge for three or more); a context manager.
 
-    def __init__(self, n: int = 2, *, rate: str | None = None, mtu: int | None = None):
+    ``pods=True`` makes ``n`` pods on one node instead: one network namespace (loopback only, address
+    ``127.0.0.1``) shared by all, each pod its own pid, uts, IPC and mount namespaces — the placement where
+    the network is common but cma and shared memory cannot cross. No link faults or rate cap there."""
+
+    def __init__(self, n: int = 2, *, rate: str | None = None, mtu: int | None = None, pods: bool = False):
         if n < 2:
             raise ValueError(f"EmulatedHosts needs at least two hosts, got {n}")
         if rate is not None:
             _rate_bits(rate)
+        if pods and (rate or mtu):
+            raise ValueError("pods on one node share their network: no rate cap or mtu")
         tag = f"kvb{os.getpid()}x{next(_COUNTER)}"
-        self.switch = f"{tag}-sw" if n > 2 else ""
-        self.hosts = [Host(f"{tag}-{chr(97 + i)}", f"kvb-host-{chr(97 + i)}", f"{SUBNET}.{i + 1}") for i in range(n)]
+        self.pods = pods
+        self.switch = f"{tag}-sw" if n > 2 and not pods else ""
+        if pods:
+            self.hosts = [Host(f"{tag}-node", f"kvb-pod-{chr(97 + i)}", "127.0.0.1") for i in range(n)]
+            for h in self.hosts:
+                h.iface = "lo"
+        else:
+            self.hosts = [Host(f"{tag}-{chr(97 + i)}", f"kvb-host-{chr(97 + i)}", f"{SUBNET}.{i + 1}") for i in range(n)]
         self.rate, self.mtu = rate, mtu
         self._made: list[str] = []
 
     def up(self) -> list[Host]:
+        if self.pods:
+            return self._pods_up()
         try:
             for h in self.hosts:
                 _ip("netns", "add", h.netns)
@@ -263,6 +277,19 @@ class EmulatedHosts:
             raise
         return self.hosts
 
+    def _pods_up(self) -> list[Host]:
+        node = self.hosts[0].netns
+        try:
+            _ip("netns", "add", node)
+            self._made.append(node)
+            _ip("-n", node, "link", "set", "lo", "up")
+            for h in self.hosts:
+                h.boot()
+        except BaseException:
+            self.down()
+            raise
+        return self.hosts
+
     def down(self) -> None:
         """Kill every host's processes and delete the namespaces (and with them the veths); idempotent."""
         for h in self.hosts:
@@ -280,9 +307,10 @@ class EmulatedHosts:
 
 
 @contextlib.contextmanager
-def emulated_hosts(n: int = 2, *, rate: str | None = None, mtu: int | None = None) -> Iterator[list[Host]]:
+def emulated_hosts(n: int = 2, *, rate: str | None = None, mtu: int | None = None,
+                   pods: bool = False) -> Iterator[list[Host]]:
     """:class:`EmulatedHosts` as a generator context (for fixtures)."""
-    with EmulatedHosts(n, rate=rate, mtu=mtu) as hosts:
+    with EmulatedHosts(n, rate=rate, mtu=mtu, pods=pods) as hosts:
         yield hosts
 
 
