@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar
 
 from kvbridge import registry
 from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
@@ -43,7 +43,8 @@ from kvbridge.errors import ConfigError, TransferError
 from kvbridge.layout import KVLayout
 from kvbridge.options import require
 from kvbridge.stats import TransferStats
-from kvbridge.store import FailedIds, StoreBackend, StoreIndex, StoreIO
+from kvbridge.store import StoreBackend, StoreIndex, StoreIO
+from kvbridge.transfer import Fallback, Started, Transfer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -120,11 +121,15 @@ class _Tiers(Generic[S]):
         try:
             return fn(*args)
         except Exception as exc:
-            self.stats.add(tier_failures=1)
-            level = logging.DEBUG if (tier, what) in self._warned else logging.WARNING
-            self._warned.add((tier, what))
-            log.log(level, "chain: tier %d (%s) failed in %s: %s", tier, self.names[tier], what, exc)
+            self._tier_failed(tier, what, exc)
             return _FAILED  # type: ignore[no-any-return]
+
+    def _tier_failed(self, tier: int, what: str, exc: Exception) -> None:
+        """A tier's call raised: logged (once per tier and call), counted, absorbed."""
+        self.stats.add(tier_failures=1)
+        level = logging.DEBUG if (tier, what) in self._warned else logging.WARNING
+        self._warned.add((tier, what))
+        log.log(level, "chain: tier %d (%s) failed in %s: %s", tier, self.names[tier], what, exc)
 
     def close(self) -> None:
         for t, tier in enumerate(self.tiers):
@@ -242,34 +247,40 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
             )
         return [b for i, b in enumerate(op.block_ids) if i in need]
 
-    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Any, Callable[[], FailedIds]] | None:
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | None:
         """A load whose first tier serves every block and starts loads from the engine's thread (a P/D
-        consumer's chain reading the shared fs, or its own cpu): started by that tier. Blocks it fails
-        are asked of the next tiers on the IO thread, as :meth:`load` asks them; the worker promotes
-        what arrived once the load is reported. ``None`` (the IO thread loads it) otherwise."""
+        consumer's chain reading the shared fs, or its own cpu): started by that tier, and counted in its
+        stats once over. The blocks it fails are asked of the next tiers on the IO thread, as :meth:`load`
+        asks them: a :class:`~kvbridge.transfer.Fallback` the core starts. The worker promotes what arrived
+        once the load is reported. ``None`` (the IO thread loads it) otherwise."""
         source = op.source if isinstance(op.source, ChainLoad) else ChainLoad()
         if not source.tiers or list(source.tiers[0][1]) != list(range(len(op.block_ids))):
             return None
         t, _, tier_source = source.tiers[0]
-        if isinstance(self.tiers[t], ChainIO):  # a chain in a chain may end its loads on the IO thread: it loads there
+        sub = BlockLoad(op.request_id, op.block_ids, op.keys, tier_source)
+        first = self._call(t, "start_load", self.tiers[t].start_load, sub, layout)
+        if first is None or first is _FAILED:
             return None
-        started = self._call(t, "start_load", self.tiers[t].start_load, BlockLoad(op.request_id, op.block_ids, op.keys, tier_source), layout)
-        if started is None or started is _FAILED:
-            return None
-        running, tier_failed = started
+        tier = Started(op, first, functools.partial(self._tier_loaded, t, first, layout))
+        if len(source.tiers) == 1:
+            return tier
+        return Fallback(tier, functools.partial(self._next_tiers, op, layout, source.tiers[1:]))
+
+    def _tier_loaded(self, t: int, load: Transfer, layout: KVLayout) -> frozenset[int]:
+        """Tier ``t``'s started ``load`` is over (on the thread that polls): counted in its stats (one that
+        raised, as a tier failure too); the block ids it failed."""
+        bad = load.failed()
+        if load.error is not None:
+            self._tier_failed(t, "load", load.error)
+        arrived = len(load.op.block_ids) - len(bad)
         slot_bytes = layout.num_layers * layout.block_bytes
+        self.tiers[t].stats.add(loads=1, load_blocks=arrived, load_bytes=arrived * slot_bytes, failed_blocks=len(bad))
+        return bad
 
-        def failed() -> FailedIds:
-            answer = self._call(t, "load", tier_failed)
-            bad = set(op.block_ids if answer is _FAILED else cast(Sequence[int], answer))  # a store tier's ids
-            arrived = len(op.block_ids) - len(bad)
-            self.tiers[t].stats.add(loads=1, load_blocks=arrived, load_bytes=arrived * slot_bytes, failed_blocks=len(bad))
-            if not bad or len(source.tiers) == 1:
-                return sorted(bad)
-            need = {i for i, b in enumerate(op.block_ids) if b in bad}
-            return functools.partial(self._load_from, op, layout, source.tiers[1:], need)  # on the IO thread
-
-        return running, failed
+    def _next_tiers(self, op: BlockLoad, layout: KVLayout, shares: Sequence[TierShare], first: Transfer) -> list[int]:
+        """On the IO thread: the blocks the first tier failed, asked of the next ones; those none served."""
+        bad = first.failed()
+        return self._load_from(op, layout, shares, {i for i, b in enumerate(op.block_ids) if b in bad})
 
     def write_back(self, op: BlockLoad, layout: KVLayout, failed: Sequence[int]) -> None:
         """Promote what a slower tier served into the faster ones (the load was reported already)."""
@@ -288,19 +299,19 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
 
     def save(self, op: BlockSave, layout: KVLayout) -> None:
         """Write-through: every tier's share, at once where a tier starts its save on native threads (the cpu
-        tier's copy runs while the fs tier writes here: a 32 MiB save took the sum of the two, 11-13 ms, before).
+        tier's copy runs while the fs tier writes here, instead of one after the other).
         Runs on the IO thread, and returns only once every tier's save is over, so nothing queued after it
         overtakes it."""
         plan: tuple[TierShare, ...] = op.target.tiers if isinstance(op.target, ChainSave) else ()
         subs = [(t, BlockSave(op.request_id, *_picked(op, positions), target)) for t, positions, target in plan]
         started = [(t, sub, self._call(t, "start_save", self.tiers[t].start_save, sub, layout)) for t, sub in subs]
         stored = False
-        for t, sub, running in started:
-            if running is None:  # this tier saves here, while the started ones copy
+        for t, sub, handle in started:
+            if handle is None:  # this tier saves here, while the started ones copy
                 stored |= self._saved(t, sub, layout, self.tiers[t].save, sub, layout)
-        for t, sub, running in started:
-            if running is not None and running is not _FAILED:
-                stored |= self._saved(t, sub, layout, running[1])  # its completion waits for its copy
+        for t, sub, handle in started:
+            if handle is not None and handle is not _FAILED:
+                stored |= self._saved(t, sub, layout, _complete, handle)
         if plan and not stored:
             raise TransferError(f"chain: every tier failed to save {op.request_id}")  # counted by the worker
 
@@ -315,6 +326,13 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
     def attach(self, layout: KVLayout) -> None:
         for tier in self.tiers:  # a tier that cannot take this layout is a start-up error, not degraded
             tier.attach(layout)
+
+
+def _complete(save: Transfer) -> None:
+    """Wait for a tier's started save and complete it; raise what failed it."""
+    save.wait()
+    if save.failed():
+        raise save.error or TransferError(f"chain: a tier did not store {save.op.request_id}")
 
 
 class ChainBackend(StoreBackend):

@@ -23,7 +23,6 @@ import dataclasses
 import functools
 import logging
 import threading
-import time
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -50,12 +49,9 @@ from kvbridge.contract import (
 from kvbridge.errors import KVBridgeError
 from kvbridge.keys import group_key
 from kvbridge.layout import KVLayout
-from kvbridge.lifecycle import Ending, LoadBook, Running, Transfers
+from kvbridge.lifecycle import Ending, LoadBook, Transfers
 from kvbridge.stats import TransferStats
-
-# what a started load's completion gives: the block ids that did not arrive, or a function (run on the IO
-# thread) that gives them
-FailedIds = Sequence[int] | Callable[[], Sequence[int]]
+from kvbridge.transfer import Transfer
 
 log = logging.getLogger(__name__)
 
@@ -139,19 +135,19 @@ class StoreIO(abc.ABC):
         """Store blocks ``op.block_ids`` under ``op.keys``. Runs on the IO thread; the blocks stay
         untouched until it returns."""
 
-    def start_load(self, op: BlockLoad, layout: KVLayout) -> tuple[Running, Callable[[], FailedIds]] | None:
-        """Optional: start ``op`` now where no Python thread waits on it (native threads), and return the
-        running copy and what gives the block ids that did not arrive once it is over (called on the
-        thread that polls) — or a function the IO thread runs to give them, where what is left would block
-        the engine's thread (a chain asking its next tier for what the first failed). ``None``: :meth:`load`
-        runs it on the IO thread instead. The worker asks only when nothing is queued on the IO thread, so
-        a started load never overtakes a save it may read."""
+    def start_load(self, op: BlockLoad, layout: KVLayout) -> Transfer | None:
+        """Optional: start ``op`` now where no Python thread waits on it (native threads) and return its
+        handle (:class:`~kvbridge.transfer.Started`: the running copy, and what gives the block ids that did
+        not arrive once it is over, on the thread that polls; a :class:`~kvbridge.transfer.Fallback` where
+        what is left would block, as a chain asking its next tier for what the first failed). ``None``:
+        :meth:`load` runs it on the IO thread instead. The worker asks only when nothing is queued on the IO
+        thread, so a started load never overtakes a save it may read."""
         return None
 
-    def start_save(self, op: BlockSave, layout: KVLayout) -> tuple[Running, Callable[[], None]] | None:
-        """Optional: start ``op`` now where no Python thread waits on it, and return the running copy and
-        what completes the save once it is over (called on the thread that polls; a raise fails the
-        save). ``None``: :meth:`save` runs it on the IO thread. Asked only when nothing is queued there."""
+    def start_save(self, op: BlockSave, layout: KVLayout) -> Transfer | None:
+        """Optional: start ``op`` now where no Python thread waits on it and return its handle (completed on
+        the thread that polls; a raise fails the save). ``None``: :meth:`save` runs it on the IO thread.
+        Asked only when nothing is queued there."""
         return None
 
     def write_back(self, op: BlockLoad, layout: KVLayout, failed: Sequence[int]) -> None:  # noqa: B027 - optional hook
@@ -172,8 +168,9 @@ class LayerwiseIO(typing.Protocol):
     """A :class:`StoreIO` that can load layer by layer, inside the step (``BlockLoad.layerwise``)."""
 
     def load_layers(self, op: BlockLoad, layout: KVLayout) -> tuple[int, Callable[[int], None]]:
-        """Check ``op`` now: how many leading blocks are valid (the rest fail), and a function copying
-        layer ``i`` of them into the KV (called for every layer, in order, on the IO thread)."""
+        """Check ``op`` before any byte moves: how many leading blocks are valid (the rest fail), and a function
+        copying layer ``i`` of them into the KV (called for every layer, in order). Both run on the worker's
+        layer thread, in the step; a raise fails every block of ``op``."""
         ...
 
 
@@ -482,45 +479,41 @@ class StoreWorker(WorkerSide):
         self._layers = []
         for op in plan.loads:
             if op.layerwise and self.layer_transfers is not None:
-                self._start_layerwise(op, layout, self.layer_transfers)
-            elif not self._start_native(op, layout):
-                self.transfers.load(op, functools.partial(self._load, op, layout))
+                self.layer_transfers.track(self._begin_layerwise(op, layout, self.layer_transfers),
+                                           functools.partial(self._loaded, layout))
+            else:
+                started = self._started(self.io.start_load, op, layout)
+                self.transfers.track(started or self.transfers.run(op, functools.partial(self.io.load, op, layout)),
+                                     functools.partial(self._loaded, layout))
         self.transfers.hold(plan.held)
 
-    def _start_layerwise(self, op: BlockLoad, layout: KVLayout, transfers: Transfers) -> None:
-        """Check the load now, copy it layer by layer on its own thread; ``wait_layer(i)`` waits for layer i."""
+    def _begin_layerwise(self, op: BlockLoad, layout: KVLayout, transfers: Transfers) -> Transfer:
+        """Check the load, then copy it layer by layer, on its own thread; ``wait_layer(i)`` waits for layer i."""
         assert isinstance(self.io, LayerwiseIO)
+        io = self.io
         flags = [threading.Event() for _ in range(layout.num_layers)]
         self._layers.append(flags)
-        t0 = time.perf_counter()
-        try:
-            valid, copy = self.io.load_layers(op, layout)
-        except Exception as exc:  # nothing moves: every block is failed, the engine recomputes them
-            log.warning("layerwise load of %s failed: %s", op.request_id, exc)
-            valid, copy = 0, None
 
-        def run() -> set[int]:
+        def run() -> Sequence[int]:
             try:
+                valid, copy = io.load_layers(op, layout)
                 for layer, flag in enumerate(flags):
-                    if copy is not None:
-                        copy(layer)
+                    copy(layer)
                     flag.set()
-            except Exception as exc:  # layers already copied are recomputed over with the rest
-                log.warning("layerwise load of %s failed: %s", op.request_id, exc)
-                return set(op.block_ids)
             finally:
-                for flag in flags:  # never leave the forward pass waiting
+                for flag in flags:  # never leave the forward pass waiting (a raise fails every block)
                     flag.set()
-            self._count_load(op, layout, len(op.block_ids) - valid, t0)
-            return set(op.block_ids[valid:])
+            return op.block_ids[valid:]
 
-        transfers.load(op, run)
+        return transfers.run(op, run)
 
-    def _started(self, start: Callable[[Any, KVLayout], Any], op: BlockLoad | BlockSave, layout: KVLayout) -> Any:
-        """``start(op, layout)`` (:meth:`StoreIO.start_load` or ``start_save``): what the store started on its
-        native threads, or ``None`` for the IO thread to do it — always when something is queued there (a
-        started transfer must not overtake it), or when starting failed (the IO thread then reports what
-        fails, the ordinary way). No hand-off to the IO thread and back: ~0.15 ms of an 8 MiB move here."""
+    def _started(self, start: Callable[[Any, KVLayout], Transfer | None], op: BlockLoad | BlockSave,
+                 layout: KVLayout) -> Transfer | None:
+        """``start(op, layout)`` (:meth:`StoreIO.start_load` or ``start_save``): the handle of what the store
+        started on its native threads, or ``None`` for the IO thread to do it — always when something is
+        queued there (a started transfer must not overtake it), or when starting failed (the IO thread then
+        reports what fails, the ordinary way). No hand-off to the IO thread and back: a large share of a small
+        move (``kvbridge bench --backends cpu --ops load``, its 8 MiB rows)."""
         if self.transfers.queued():
             return None
         try:
@@ -529,53 +522,30 @@ class StoreWorker(WorkerSide):
             log.debug("native start of %s failed (%s): the IO thread moves it", op.request_id, exc)
             return None
 
-    def _start_native(self, op: BlockLoad, layout: KVLayout) -> bool:
-        """Start ``op`` natively if the store can; the poll that sees it over finishes it (:meth:`_loaded`)."""
-        t0 = time.perf_counter()
-        started = self._started(self.io.start_load, op, layout)
-        if started is None:
-            return False
-        running, failed_ids = started
-
-        def finish() -> Any:
-            failed = failed_ids()
-            if callable(failed):  # what is left needs the IO thread (a chain asking its next tier)
-                return lambda: self._loaded(op, layout, set(failed()), t0)
-            return self._loaded(op, layout, set(failed), t0)
-
-        self.transfers.post(op, running, finish)
-        return True
-
     def wait_layer(self, layer: int) -> None:
         self._check_open()
         for flags in self._layers:
             flags[layer].wait()
 
-    def _load(self, op: BlockLoad, layout: KVLayout) -> set[int]:
-        t0 = time.perf_counter()
-        try:
-            failed = set(self.io.load(op, layout))
-        except Exception as exc:  # every block of the op is lost; the engine recomputes them
-            log.warning("load of %s failed: %s", op.request_id, exc)
-            failed = set(op.block_ids)
-        return self._loaded(op, layout, failed, t0)
-
-    def _loaded(self, op: BlockLoad, layout: KVLayout, failed: set[int], t0: float) -> set[int]:
-        """A load is over, on either path: counted, and its write-back (a chain's promotion) queued to run
-        once the load is reported (the request held until that is over); its failed block ids."""
-        self._count_load(op, layout, len(failed), t0)
+    def _loaded(self, layout: KVLayout, transfer: Transfer) -> None:
+        """A load is over, however it ran: counted, and its write-back (a chain's promotion) kept to run once
+        the load is reported (the request held until that is over)."""
+        op = transfer.op
+        assert isinstance(op, BlockLoad)
+        failed = transfer.failed()
+        self._count_load(op, layout, len(failed), transfer.seconds)
         if getattr(op.source, "writes_back", False) and len(failed) < len(op.block_ids):
-            self.transfers.after_load(op.request_id, functools.partial(self.io.write_back, op, layout, sorted(failed)),
-                                      self._save_failed)
-        return failed
+            back = BlockSave(op.request_id, op.block_ids, op.keys)
+            self.transfers.after_load(back, functools.partial(self.io.write_back, op, layout, sorted(failed)),
+                                      self._written_back)
 
-    def _count_load(self, op: BlockLoad, layout: KVLayout, failed: int, t0: float) -> None:
+    def _count_load(self, op: BlockLoad, layout: KVLayout, failed: int, seconds: float) -> None:
         ok = len(op.block_ids) - failed
         self.stats.add(
             loads=1,
             load_blocks=ok,
             load_bytes=ok * layout.num_layers * layout.block_bytes,
-            load_seconds=time.perf_counter() - t0,
+            load_seconds=seconds,
             load_failures=int(bool(failed)),
             failed_blocks=failed,
         )
@@ -588,41 +558,24 @@ class StoreWorker(WorkerSide):
             return
         ready = _forward_done(layout)
         for op in saves:
-            if ready is not None or not self._start_native_save(op, layout):
-                self.transfers.save(op.request_id, functools.partial(self._save, op, layout, ready), self._save_failed)
+            started = self._started(self.io.start_save, op, layout) if ready is None else None
+            if started is None:
+                started = self.transfers.run(op, functools.partial(self.io.save, op, layout),
+                                             before=None if ready is None else ready.synchronize)
+            self.transfers.track(started, functools.partial(self._saved, layout))
 
-    def _start_native_save(self, op: BlockSave, layout: KVLayout) -> bool:
-        """Start ``op`` natively if the store can; its completion counts it."""
-        t0 = time.perf_counter()
-        started = self._started(self.io.start_save, op, layout)
-        if started is None:
-            return False
-        running, complete = started
+    def _saved(self, layout: KVLayout, transfer: Transfer) -> None:
+        """A save is over, however it ran: counted (a failed one loses a cache entry, never the request)."""
+        if transfer.failed() or transfer.error is not None:
+            self.stats.add(save_failures=1)
+            return
+        n = len(transfer.op.block_ids)
+        self.stats.add(saves=1, save_blocks=n, save_bytes=n * layout.num_layers * layout.block_bytes,
+                       save_seconds=transfer.seconds)
 
-        def finish() -> None:
-            complete()
-            self._count_save(op, layout, t0)
-
-        self.transfers.post_save(op.request_id, running, finish, self._save_failed)
-        return True
-
-    def _save(self, op: BlockSave, layout: KVLayout, ready: Any) -> None:
-        if ready is not None:  # the forward pass's kernels that wrote these blocks
-            ready.synchronize()
-        t0 = time.perf_counter()
-        self.io.save(op, layout)
-        self._count_save(op, layout, t0)
-
-    def _count_save(self, op: BlockSave, layout: KVLayout, t0: float) -> None:
-        self.stats.add(
-            saves=1,
-            save_blocks=len(op.block_ids),
-            save_bytes=len(op.block_ids) * layout.num_layers * layout.block_bytes,
-            save_seconds=time.perf_counter() - t0,
-        )
-
-    def _save_failed(self, exc: Exception) -> None:
-        self.stats.add(save_failures=1)
+    def _written_back(self, transfer: Transfer) -> None:
+        if transfer.error is not None:
+            self.stats.add(save_failures=1)
 
     def poll(self) -> WorkerReport:
         self._check_open()

@@ -25,6 +25,7 @@ from kvbridge.errors import ConfigError, UnknownBackend
 from kvbridge.layout import KVLayout
 from kvbridge.store import StoreBackend, StoreIndex, StoreIO
 from kvbridge.testing import MiniEngine
+from kvbridge.transfer import Started
 
 CPU = {"backend": "cpu", "capacity_bytes": 4 << 20}
 _names = itertools.count()
@@ -377,7 +378,7 @@ def test_a_consumer_reads_fs_from_its_own_thread_then_promotes(tmp_path, monkeyp
             store = producer.worker.io  # type: ignore[attr-defined]
             assert isinstance(store, FsStore)
             path = os.path.realpath(store.path_of(sent.keys[2]))
-            reads = store._locate(sent.keys, producer.layout.fingerprint)
+            reads = store.reader.locate(sent.keys, producer.layout.fingerprint)
             for r in reads:
                 os.close(r.fd)
             with open(path, "r+b") as f:
@@ -417,8 +418,8 @@ def test_blocks_a_natively_started_tier_fails_are_asked_of_the_next(tmp_path, mo
         real = worker.tiers[0].start_load
 
         def half_failed(op: BlockLoad, layout: KVLayout) -> Any:
-            running, failed = real(op, layout)
-            return running, lambda: sorted({*failed(), *op.block_ids[2:]})
+            started = real(op, layout)
+            return Started(op, started, lambda: sorted({*started.failed(), *op.block_ids[2:]}))
 
         monkeypatch.setattr(worker.tiers[0], "start_load", half_failed)
         got = e.prefill("b", prompt)

@@ -292,10 +292,9 @@ def test_a_load_waits_for_a_native_save_of_its_slots_that_no_poll_saw_over():
         source = idx.reserve_load("l", keys)
         load = pool.start_load(BlockLoad("l", (40, 41, 42), tuple(keys), source), e.layout)
         assert load is not None and not pool._saving  # the load completed the save first
-        running, failed = load
-        assert running.wait(30) and list(failed()) == []
+        assert load.wait(30) and load.failed() == frozenset() and load.error is None
         assert torch.equal(e.read([40, 41, 42]), e.expected(keys))
-        started[1]()  # the poll's completion of the save, after the load did it: nothing more to do
+        assert started.wait(30) and started.failed() == frozenset()  # the poll's completion, after the load did it
     finally:
         e.close()
 

@@ -199,19 +199,19 @@ def test_a_link_another_writer_makes_while_its_folder_is_made_again(tmp_path, mo
     """A link's folder is gone (an eviction, another engine's clean-up) and, while this writer makes it
     again, another writer links the same block: this writer takes that link as it takes any existing
     one, never fails the save (it did once in CI, under test_concurrent_writers_of_the_same_chunk; the
-    interleaving is forced here by a hook in ``_mkdir``: processes cannot be made to meet there)."""
+    interleaving is forced here by a hook in ``Shelf.mkdir``: processes cannot be made to meet there)."""
     producer, _ = _pair(tmp_path / "store")
     store = _store(producer)
     folder = tmp_path / "store" / "links"
     path, target = str(folder / "k"), "../ab/object"
-    made = store._mkdir
+    made = store.shelf.mkdir
 
     def mkdir_then_another_writer_links(name: str) -> None:
         made(name)
         os.symlink(target, path)
 
-    monkeypatch.setattr(store, "_mkdir", mkdir_then_another_writer_links)
-    store._link(path, target)
+    monkeypatch.setattr(store.shelf, "mkdir", mkdir_then_another_writer_links)
+    store.shelf.link(path, target)
     assert os.readlink(path) == target
 
 
@@ -226,7 +226,7 @@ def test_one_object_per_chunk_and_one_stat_per_chunk(tmp_path, monkeypatch):
         assert len(_links(tmp_path)) == 64 - len(chunks)  # a locator per block; a chunk's last is its object
         stats = []
         real = os.stat
-        monkeypatch.setattr(fs.os, "stat", lambda p, *a, **k: (stats.append(p), real(p, *a, **k))[1])
+        monkeypatch.setattr(os, "stat", lambda p, *a, **k: (stats.append(p), real(p, *a, **k))[1])
         assert _index(consumer).contains_prefix(sent.keys) == 64
         assert len(stats) == len(chunks), stats
         stats.clear()
@@ -503,7 +503,7 @@ def test_what_a_locator_must_not_make_us_do(tmp_path):
         stale.symlink_to(outside)
         os.utime(stale, (1, 1), follow_symlinks=False)
         store = FsStore(EngineInfo("e", 16, namespace="mini"), FsOptions(path=str(tmp_path / "store"), capacity_bytes=1 << 30))
-        list(store._scan())
+        list(store.shelf.scan())
         assert not stale.is_symlink() and outside.exists()
         store.close()
     finally:
@@ -535,7 +535,7 @@ def test_version_1_objects_are_misses(tmp_path):
         sent = producer.prefill("new", tokens)  # today's objects beside them
         assert torch.equal(consumer.prefill("c", tokens).snapshot, sent.snapshot)
         store = FsStore(EngineInfo("e", 16, namespace=producer.info.namespace), FsOptions(path=str(tmp_path), capacity_bytes=1 << 30))
-        assert len([p for p in store._scan() if "/v2-" not in p[2]]) == 3  # counted (and evictable) like any object
+        assert len([p for p in store.shelf.scan() if "/v2-" not in p[2]]) == 3  # counted (and evictable) like any object
         store.close()
     finally:
         producer.close()
@@ -571,7 +571,7 @@ def test_o_direct_where_the_filesystem_refuses_it_is_a_config_error(tmp_path, mo
             raise OSError(errno.EINVAL, "Invalid argument", path)
         return real(path, flags, *args)
 
-    monkeypatch.setattr(fs.os, "open", no_direct)
+    monkeypatch.setattr(os, "open", no_direct)
     with pytest.raises(ConfigError, match="does not support O_DIRECT"):
         kvbridge.create_backend("fs", {"path": str(tmp_path), "o_direct": True})
     assert not list(tmp_path.iterdir())  # the probe left nothing behind
@@ -626,7 +626,7 @@ def test_capacity_evicts_the_oldest_objects(tmp_path):
         assert len(got.loaded_blocks) == 6 and torch.equal(got.snapshot, new.snapshot)
         assert consumer.scheduler.index.contains_prefix(old.keys) < 6  # type: ignore[attr-defined]  # the oldest went first
         store = _store(producer)
-        list(store._scan())
+        list(store.shelf.scan())
         assert all(p.exists() for p in _links(tmp_path))  # scans remove the links left pointing nowhere
         with pytest.raises(StoreFull, match="capacity"):  # more than the whole capacity in one save
             store.save(BlockSave("big", tuple(range(11)), tuple(bytes([i]) for i in range(11))), producer.layout)
@@ -643,7 +643,7 @@ def test_scans_remove_links_to_evicted_objects(tmp_path):
         assert len(_links(tmp_path)) == 4
         obj.unlink()  # as another process's eviction would
         store = FsStore(EngineInfo("e", 16, namespace="mini"), FsOptions(path=str(tmp_path), capacity_bytes=1 << 20))
-        assert list(store._scan()) == [] and _links(tmp_path) == []
+        assert list(store.shelf.scan()) == [] and _links(tmp_path) == []
         assert _index(producer).contains_prefix(sent.keys) == 0
         store.close()
     finally:
@@ -747,7 +747,7 @@ def test_layers_of_separate_allocations(tmp_path):
         base = torch.zeros((4 * shape[0] + 7, *shape[1:]), dtype=torch.bfloat16)
         views = [base[o : o + shape[0]] for o in (0, shape[0] + 1, 2 * shape[0] + 3, 3 * shape[0] + 7)]
         layout = KVLayout.from_tensors(views, block_size=16)
-        blocks = fs._Blocks.of(layout)
+        blocks = fs.kv.Blocks.of(layout)
         assert blocks is not None and blocks.slab is None
         store = FsStore(EngineInfo("c", 16, namespace=producer.info.namespace), FsOptions(path=str(tmp_path)))
         store.attach(layout)
@@ -770,7 +770,7 @@ def test_kv_first_moves_by_address_or_through_staging_alike(tmp_path, writer, re
     producer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="p", role="producer", seed=1, kv_format="kv_first")
     consumer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="c", role="consumer", seed=2, kv_format="kv_first")
     try:
-        assert fs._Blocks.of(consumer.layout) is None  # no view per block: K and V apart
+        assert fs.kv.Blocks.of(consumer.layout) is None  # no view per block: K and V apart
         for engine, path in ((producer, writer), (consumer, reader)):
             if path == "staging":
                 engine.worker.io._native = None  # type: ignore[attr-defined]
@@ -863,22 +863,22 @@ def test_cached_says_whether_a_byte_is_in_the_page_cache(tmp_path):
     path.write_bytes(os.urandom(1 << 20))
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert fs._cached(fd, (1 << 20) - 1)  # just written
+        assert fs.files.cached(fd, (1 << 20) - 1)  # just written
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if fs._cached(fd, (1 << 20) - 1):
+        if fs.files.cached(fd, (1 << 20) - 1):
             pytest.skip(f"{tmp_path} keeps pages after POSIX_FADV_DONTNEED (tmpfs)")
         os.pread(fd, 1, (1 << 20) - 1)
-        assert fs._cached(fd, (1 << 20) - 1)  # read again
-        assert not fs._cached(fd, 2 << 20)  # past the end: nothing to read
+        assert fs.files.cached(fd, (1 << 20) - 1)  # read again
+        assert not fs.files.cached(fd, 2 << 20)  # past the end: nothing to read
     finally:
         os.close(fd)
 
 
 def test_read_ahead_is_asked_only_for_objects_out_of_the_page_cache(tmp_path, monkeypatch):
     """A load advises the kernel to read ahead the objects after its first (``POSIX_FADV_WILLNEED``) only where
-    they are not in the page cache: for a cached object the advice walked its pages, 0.1 ms of the engine's
-    thread per 32 MiB. Either way the load is bit-exact. (Objects this small are read ahead whole by the
+    they are not in the page cache: for a cached object the advice only walks its pages, on the engine's
+    thread. Either way the load is bit-exact. (Objects this small are read ahead whole by the
     read of their header, so the second load is told they are not cached: ``_cached`` is replaced.)"""
     producer, consumer = _pair(tmp_path)
     try:
@@ -888,11 +888,11 @@ def test_read_ahead_is_asked_only_for_objects_out_of_the_page_cache(tmp_path, mo
         assert len(objects) >= 3
         advised: list[int] = []
         real = os.posix_fadvise
-        monkeypatch.setattr(fs.os, "posix_fadvise", lambda fd, *a: (advised.append(fd), real(fd, *a))[1])
+        monkeypatch.setattr(os, "posix_fadvise", lambda fd, *a: (advised.append(fd), real(fd, *a))[1])
         got = consumer.prefill("b", tokens)
         assert len(got.loaded_blocks) == 12 and torch.equal(got.snapshot[:, :12], sent.snapshot[:, :12])
         assert advised == [], "objects in the page cache were advised"
-        monkeypatch.setattr(fs, "_cached", lambda fd, at: False)
+        monkeypatch.setattr(fs.files, "cached", lambda fd, at: False)
         again = consumer.prefill("c", tokens)
         assert len(again.loaded_blocks) == 12 and torch.equal(again.snapshot[:, :12], sent.snapshot[:, :12])
         assert len(advised) == len(objects) - 1  # every object after the first
@@ -932,22 +932,22 @@ def test_the_first_save_makes_every_folder_later_saves_make_none(tmp_path, monke
 def test_a_kv_the_host_cannot_address_moves_through_staging(tmp_path, monkeypatch, staged, kv_format):
     """A KV on a GPU is saved and loaded by the native path through a staging buffer (gathered, then
     written by address; read by address, then scattered). Here the engines' KV is on the CPU and only the
-    decision is forced (``FsStore._staged``: CI has no GPU), for one side or both: objects written one way
+    decision is forced (``plan.host_addressable``: CI has no GPU), for one side or both: objects written one way
     read back the other way bit for bit, and a damaged block still fails from itself."""
     layout = {} if kv_format == "blocks_first" else {"kv_format": "kv_first"}
     opts = {"path": str(tmp_path)}
     producer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="p", role="producer", seed=1, **layout)
     consumer = MiniEngine(kvbridge.create_backend("fs", opts), engine_id="c", role="consumer", seed=2, **layout)
     chosen = {id(e.layout) for e, side in ((producer, "producer"), (consumer, "consumer")) if staged in (side, "both")}
-    monkeypatch.setattr(FsStore, "_staged", staticmethod(lambda lay: id(lay) in chosen))
+    monkeypatch.setattr(fs.plan, "host_addressable", lambda lay: id(lay) not in chosen)
     moves: list[bool] = []
-    start_move = FsStore._start_move
+    start_move = fs.native.start_move
 
-    def spy(self, lay, block_ids, runs, *, write, addressing=None):  # type: ignore[no-untyped-def]
+    def spy(mod, lay, block_ids, runs, *, write, addressing=None):  # type: ignore[no-untyped-def]
         moves.append(addressing is not None)
-        return start_move(self, lay, block_ids, runs, write=write, addressing=addressing)
+        return start_move(mod, lay, block_ids, runs, write=write, addressing=addressing)
 
-    monkeypatch.setattr(FsStore, "_start_move", spy)
+    monkeypatch.setattr(fs.native, "start_move", spy)
     try:
         tokens = _prompt(6, lambda c: c == [6], seed=7)  # one chunk
         sent = producer.prefill("a", tokens)

@@ -59,18 +59,18 @@ def test_stores_with_a_cuda_kv_cache(name: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("layerwise", [False, True], ids=["async", "layerwise"])
 def test_cpu_tier_reads_slot_runs_of_a_cuda_kv_cache(max_runs: int, layerwise: bool, monkeypatch) -> None:
     """The cpu tier's GPU copies with slots in two runs (an evicted prompt's slots reused): a DMA per run,
-    or the host path a fragmented pool takes (``_MAX_RUNS``), loaded back bit for bit; the path chosen is
+    or the host path a fragmented pool takes (``copies.MAX_RUNS``), loaded back bit for bit; the path chosen is
     the one that ran."""
-    from kvbridge.connectors import cpu
+    from kvbridge.connectors.cpu import copies
 
-    monkeypatch.setattr(cpu, "_MAX_RUNS", max_runs)
-    up, runs_up = [], cpu._runs_up  # the runs each load's DMA copied up
+    monkeypatch.setattr(copies, "MAX_RUNS", max_runs)
+    up, runs_up = [], copies.runs_up  # the runs each load's DMA copied up
 
     def spy(storage, slot_runs, device):  # type: ignore[no-untyped-def]
         up.append(list(slot_runs))
         return runs_up(storage, slot_runs, device)
 
-    monkeypatch.setattr(cpu, "_runs_up", spy)
+    monkeypatch.setattr(copies, "runs_up", spy)
     slot = 4 * 2 * 16 * 2 * 16 * 2  # layers x heads x tokens x (K, V) x head_size x bf16
     backend = kvbridge.create_backend("cpu", {"capacity_bytes": 8 * slot, "layerwise": layerwise})
     engine = MiniEngine(backend, engine_id="p", device="cuda", num_blocks=32)

@@ -31,7 +31,6 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,6 +46,7 @@ from kvbridge.errors import KVBridgeError, PeerUnreachable, ProtocolError, Trans
 from kvbridge.layout import BlockAddressing, Cut, KVLayout, LayoutFingerprint, reslice
 from kvbridge.metadata.client import MetadataClient
 from kvbridge.metadata.types import PeerInfo
+from kvbridge.transfer import Fallback, Started, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -200,12 +200,12 @@ class Puller:
                 client.close()
 
     # ---- one-sided ----
-    def start(self, op: BlockLoad) -> tuple[Any, Callable[[], set[int] | Callable[[], set[int]]]] | None:
+    def start(self, op: BlockLoad) -> Transfer | None:
         """Start ``op`` at once on native threads when it can run there: a producer already handshaken
-        on the ``cma`` or ``tcp`` lane, the same TP size. Returns the running read and the function to call once it
-        is over (on the engine's thread: it either counts the blocks, sealed, or gives what is left —
-        the confirming round trip, a failure's clean-up — to run on an IO thread). ``None``: load it
-        the usual way (:meth:`load`), which also reports whatever made this one not start."""
+        on the ``cma`` or ``tcp`` lane, the same TP size. Returns its handle: once the read is over, the thread that
+        polls counts the blocks if the seal proves them; else what is left — the confirming round trip, a
+        failed read's clean-up — runs on an IO thread (a :class:`~kvbridge.transfer.Fallback`). ``None``:
+        load it the usual way (:meth:`load`), which also reports whatever made this one not start."""
         src = op.source
         if not isinstance(src, UcxSource) or src.resliced(self.engine.world_size):
             return None
@@ -220,19 +220,24 @@ class Puller:
         except Exception:  # noqa: BLE001 - the usual path meets the same failure and reports it
             return None
         self.stats.add(started_loads=1)
-        return running, functools.partial(self._started_over, address, peer, op, src, running, t0)
+        read = Started(op, running, functools.partial(self._started_sealed, address, op, src, running, t0))
+        return Fallback(read, functools.partial(self._started_rest, address, peer, op, src, t0))
 
-    def _started_over(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, running: Any,
-                      t0: float) -> set[int] | Callable[[], set[int]]:
-        """A started read is over: count it if the seal word read after it is the hand-off's."""
-        try:
-            _, word = running.result()
-        except OSError as exc:
-            lane = peer.source.lane if peer.source is not None else "one-sided"
-            return functools.partial(self._read_failed, address, op, src, peer, PeerUnreachable(f"{lane} read: {exc}"))
+    def _started_sealed(self, address: str, op: BlockLoad, src: UcxSource, running: Any, t0: float) -> set[int]:
+        """A started read is over (on the thread that polls): its blocks count if the seal word read after it
+        is the hand-off's; else none counts yet (:meth:`_started_rest` settles it). Raises if the read failed."""
+        _, word = running.result()
         if word and word == src.seal[1]:
             return self._sealed_read(address, op, src, t0)
-        return functools.partial(self._confirm, address, peer, op, src, t0)
+        return set(op.block_ids)
+
+    def _started_rest(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, t0: float, read: Transfer) -> set[int]:
+        """On an IO thread, for a started read the seal did not prove: a failed read's clean-up, or the producer's
+        confirmation that it held the blocks throughout."""
+        if read.error is not None:
+            lane = peer.source.lane if peer.source is not None else "one-sided"
+            return self._read_failed(address, op, src, peer, PeerUnreachable(f"{lane} read: {read.error}"))
+        return self._confirm(address, peer, op, src, t0)
 
     def _read(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource) -> set[int]:
         """One-sided: read every block straight into the KV, then count them only if the producer confirms

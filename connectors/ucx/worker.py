@@ -9,7 +9,6 @@ leases, which end a producer's holds, come from the server and join the same rep
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 from kvbridge.connectors.ucx import hugepages
 from kvbridge.connectors.ucx import runtime as rtmod
@@ -18,10 +17,11 @@ from kvbridge.connectors.ucx.params import PLAN, UcxPlan
 from kvbridge.connectors.ucx.puller import LOAD_THREADS, Puller
 from kvbridge.connectors.ucx.server import Server
 
-from kvbridge.contract import BlockLoad, EngineInfo, StepPlan, WorkerReport, WorkerSide
+from kvbridge.contract import EngineInfo, StepPlan, WorkerReport, WorkerSide
 from kvbridge.errors import ProtocolError
 from kvbridge.layout import KVLayout
 from kvbridge.lifecycle import Transfers
+from kvbridge.transfer import Transfer
 
 
 class UcxWorker(WorkerSide):
@@ -59,26 +59,16 @@ class UcxWorker(WorkerSide):
         if plan.loads and self._puller is None:
             raise ProtocolError(f"{self.engine.engine_id} is a {self.engine.role}: it cannot load")
         for op in plan.loads:
-            started = self._puller.start(op) if self._puller is not None else None
-            if started is None:
-                self.transfers.load(op, functools.partial(self._load, op))
-            else:  # running already, on a native thread: no Python thread between the engine and the read
-                running, over = started
-                self.transfers.post(op, running, functools.partial(self._over, over))
+            assert self._puller is not None
+            # running already on a native thread where it can (no Python thread between the engine and the
+            # read), else a pull on an IO thread: one handle either way
+            started = self._puller.start(op) or self.transfers.run(op, functools.partial(self._puller.load, op))
+            self.transfers.track(started, self._tally)
         self.transfers.hold(plan.held)
 
-    def _load(self, op: BlockLoad) -> set[int]:
-        assert self._puller is not None
-        return self._tally(self._puller.load(op))  # never raises: a failure is failed blocks
-
-    def _over(self, over: Callable[[], set[int] | Callable[[], set[int]]]) -> set[int] | Callable[[], set[int]]:
-        """A started load is over (see :meth:`Puller.start`): tallied now, or once its rest has run."""
-        out = over()
-        return self._tally(out) if isinstance(out, set) else lambda: self._tally(out())
-
-    def _tally(self, failed: set[int]) -> set[int]:
+    def _tally(self, load: Transfer) -> None:
+        failed = load.failed()
         self.stats.add(loads=1, load_failures=int(bool(failed)), failed_blocks=len(failed))
-        return failed
 
     def finish_step(self) -> None:
         self._require_layout()  # nothing at a step's end: consumers pull a producer's KV, nothing is pushed

@@ -36,6 +36,7 @@ from kvbridge.layout import BLOCKS_FIRST, KV_FIRST, MLA
 from kvbridge.store import StoreWorker
 from kvbridge.testing.engine import MiniEngine, Target
 from kvbridge.testing.targets import target_for
+from kvbridge.transfer import Started, Transfer
 
 BACKEND_NAMES = sorted(registry.available())
 
@@ -114,12 +115,12 @@ class _Gate:
                 raise TimeoutError(f"conformance gate on {method} never opened")
             return real(*args, **kwargs)
 
-        def gated_start(*args: Any, **kwargs: Any) -> Any:
+        def gated_start(*args: Any, **kwargs: Any) -> Transfer | None:
             started = start(*args, **kwargs)
             if started is None:
                 return None
             self.entered.set()
-            return _GatedRunning(started[0], self._open), started[1]
+            return Started(started.op, _GatedRunning(started, self._open), started.failed)
 
         for name, fn in ((method, gated), (f"start_{method}", gated_start)):
             self._shadowed[name] = vars(io).get(name)
@@ -141,8 +142,11 @@ class _Gate:
 class _GatedRunning:
     """A natively started transfer that is over only once it is, and the gate is open."""
 
-    def __init__(self, running: Any, gate: threading.Event):
+    def __init__(self, running: Transfer, gate: threading.Event):
         self.running, self.gate = running, gate
+
+    def bind(self, io: Any) -> None:
+        self.running.bind(io)
 
     def done(self) -> bool:
         return self.gate.is_set() and bool(self.running.done())
