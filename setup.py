@@ -1,7 +1,7 @@
 """Build kvbridge's two native extensions; all other metadata lives in pyproject.toml.
 
-- ``kvbridge._core`` (kvbridge/csrc/{args,pool,copy,file,crc32c,core}.c): the copy threads, copies in this
-  process and from another (process_vm_readv), a store's file IO and crc32c.  It needs only libc and the
+- ``kvbridge._core`` (kvbridge/csrc/{args,pool,copy,file,crc32c,tcp_*,core}.c): the copy threads, copies in
+  this process and from another (process_vm_readv), a store's file IO, crc32c and the tcp lane.  It needs only libc and the
   machine's compiler, so it is built everywhere: the cpu, fs, chain and lmcache fast paths and native
   checksums do not depend on UCX.
 - ``kvbridge._ucp`` (kvbridge/csrc/{args,ucp_*}.c): the one-sided data plane over ucp, built against
@@ -50,8 +50,9 @@ def ucx_prefix() -> str | None:
 def core_extension() -> Extension:
     return Extension(
         "kvbridge._core",
-        [f"{CSRC}/{name}.c" for name in ("args", "pool", "copy", "file", "crc32c", "core")],
-        depends=[f"{CSRC}/args.h", f"{CSRC}/core.h"],
+        [f"{CSRC}/{name}.c" for name in ("args", "pool", "copy", "file", "crc32c", "tcp_io", "tcp_serve",
+                                        "tcp_read", "core")],
+        depends=[f"{CSRC}/args.h", f"{CSRC}/core.h", f"{CSRC}/tcp.h"],
         libraries=["pthread"],
         extra_compile_args=CFLAGS,
         optional=True,

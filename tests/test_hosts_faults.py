@@ -47,8 +47,8 @@ def _producer(host: Host, out: Path) -> Any:
     return hp.HostPeer(host, "producer", out, "--lease", str(LEASE_S), "--num-blocks", "256")
 
 
-def _consumer(host: Host, out: Path) -> Any:
-    return hp.HostPeer(host, "consumer", out, "--num-blocks", "256", "--timeout", str(TIMEOUT_S))
+def _consumer(host: Host, out: Path, lane: str = "auto") -> Any:
+    return hp.HostPeer(host, "consumer", out, "--num-blocks", "256", "--timeout", str(TIMEOUT_S), "--lane", lane)
 
 
 def _cut_mid_load(producer: Any, consumer: Any, cut: Callable[[], None]) -> dict[str, Any]:
@@ -70,11 +70,11 @@ def _loads_again(producer: Any, consumer: Any, rid: str) -> None:
     assert got["failed"] == 0 and got["loaded"] == hp.full_blocks(tokens) and got["exact"] and got["sha"] == sent, got
 
 
-@pytest.mark.parametrize("fault", ["link-down", "nft-drop"])
-def test_link_cut_mid_load_fails_in_time_and_loads_resume(hosts: list[Host], tmp_path: Path, fault: str) -> None:
-    a, b = hosts
+@pytest.mark.parametrize(("fault", "lane"), [("link-down", "auto"), ("nft-drop", "auto"), ("link-down", "ucp")])
+def test_link_cut_mid_load_fails_in_time_and_loads_resume(hosts: list[Host], tmp_path: Path, fault: str, lane: str) -> None:
+    a, b = hosts  # auto: the tcp lane across hosts
     a.set_rate(RATE)
-    producer, consumer = _producer(a, tmp_path / "p"), _consumer(b, tmp_path / "c")
+    producer, consumer = _producer(a, tmp_path / "p"), _consumer(b, tmp_path / "c", lane)
     try:
         _cut_mid_load(producer, consumer, a.link_down if fault == "link-down" else a.drop)
         if fault == "link-down":

@@ -56,7 +56,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("lane", ["auto", "ucp"])
+@pytest.mark.parametrize("lane", ["auto", "ucp", "tcp"])
 def test_idle_producer_hands_off_bit_exact(tmp_path: Path, lane: str) -> None:
     p = Producer(tmp_path / "p", "--idle", "--num-blocks", "72")
     consumer = _consumer(tmp_path, lane=lane, timeout_s=TIMEOUT_S)
@@ -65,7 +65,7 @@ def test_idle_producer_hands_off_bit_exact(tmp_path: Path, lane: str) -> None:
         got = consumer.prefill("idle-c", _tokens(1000, 11), params, timeout=30)
         assert got.failed_blocks == [] and len(got.loaded_blocks) == 62
         assert torch.equal(got.snapshot[:, :62], p.sent("idle"))
-        assert _lane(consumer) == {"cma" if lane == "auto" else "ucp"}
+        assert _lane(consumer) == {"cma" if lane == "auto" else lane}
         assert consumer.worker.stats.load_bytes == 62 * 2 * 2**20  # type: ignore[attr-defined]
         p.wait_freed()  # the release reaches the engine at its next step
     finally:
@@ -73,11 +73,12 @@ def test_idle_producer_hands_off_bit_exact(tmp_path: Path, lane: str) -> None:
         p.close()
 
 
-@pytest.mark.parametrize("lane", ["auto", "ucp"])
+@pytest.mark.parametrize("lane", ["auto", "ucp", "tcp"])
 def test_a_sealed_read_counts_without_a_round_trip(tmp_path: Path, lane: str) -> None:
     """A producer whose engine stepped after the hand-off has sealed it: the consumer counts the read at
     once (no confirming release on the load's path) and the release still frees the producer's blocks;
-    over cma the seal is one more process_vm_readv, over ucp a GET of the registered table."""
+    over cma the seal is one more process_vm_readv, over ucp a GET of the registered table, over tcp
+    the word each stream's server reads after its data."""
     p = Producer(tmp_path / "p", "--num-blocks", "72")
     consumer = _consumer(tmp_path, lane=lane, timeout_s=TIMEOUT_S)
     try:
@@ -86,25 +87,26 @@ def test_a_sealed_read_counts_without_a_round_trip(tmp_path: Path, lane: str) ->
         got = consumer.prefill("sealed-c", _tokens(500, 21), params, timeout=30)
         assert got.failed_blocks == [] and torch.equal(got.snapshot[:, :31], p.sent("sealed"))
         assert consumer.worker.stats.sealed_loads == 1  # type: ignore[attr-defined]
-        assert _lane(consumer) == {"cma" if lane == "auto" else "ucp"}
+        assert _lane(consumer) == {"cma" if lane == "auto" else lane}
         p.wait_freed()  # the release, sent off the load's path, arrived
-        # the peer is known now: over cma the next read starts from the engine's step, on a native thread
+        # the peer is known now: over cma and tcp the next read starts from the engine's step, on native threads
         again = consumer.prefill("sealed-c2", _tokens(500, 23), p.prefill("sealed2", 500, seed=23), timeout=30)
         assert again.failed_blocks == [] and torch.equal(again.snapshot[:, :31], p.sent("sealed2"))
         stats = consumer.worker.stats  # type: ignore[attr-defined]
-        assert (stats.sealed_loads, stats.started_loads) == (2, 1 if lane == "auto" else 0)
+        assert (stats.sealed_loads, stats.started_loads) == (2, 0 if lane == "ucp" else 1)
         p.wait_freed()
     finally:
         consumer.close()
         p.close()
 
 
-@pytest.mark.parametrize("lane", ["cma", "ucp", "cma-started"])
+@pytest.mark.parametrize("lane", ["cma", "ucp", "cma-started", "tcp", "tcp-started"])
 def test_a_hold_that_ends_during_the_read_is_not_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lane: str) -> None:
     """The hold ends (another consumer released it) after the blocks were read but before the seal is
     checked: the seal is gone, the confirming release says no, every block fails. The timing is forced
     (the release runs inside the read; ``cma-started``: a known peer, whose read runs on a native thread,
-    loses the hold just before it starts); the producer, seal table and release are the real ones."""
+    loses the hold just before it starts; ``tcp`` reads always start on native threads, which bring the
+    seal word back with the data); the producer, seal table and release are the real ones."""
     from kvbridge.connectors.ucx import UcxBackend, UcxOptions, onesided
 
     options = UcxOptions(registry_dir=str(tmp_path / "reg"), timeout_s=TIMEOUT_S, lane=lane.partition("-")[0])
@@ -127,17 +129,19 @@ def test_a_hold_that_ends_during_the_read_is_not_counted(tmp_path: Path, monkeyp
 
     try:
         tokens = _tokens(4 * 16 + 2, seed=22)
-        if lane == "cma-started":  # a first hand-off makes the producer a known peer
+        if lane.endswith("-started"):  # a first hand-off makes the producer a known peer
             warm = producer.prefill("w", _tokens(4 * 16 + 2, seed=24))
             assert consumer.prefill("w-c", _tokens(4 * 16 + 2, seed=24), warm.finish.transfer_params).failed_blocks == []
+            monkeypatch.setattr(onesided, "start", lose_the_hold_then_start)
+        if lane == "tcp":
             monkeypatch.setattr(onesided, "start", lose_the_hold_then_start)
         sent = producer.prefill("r", tokens)  # steps after: the hold is sealed
         monkeypatch.setattr(onesided, "read", read_then_lose_the_hold)
         got = consumer.prefill("r-c", tokens, sent.finish.transfer_params)
         assert got.failed_blocks == sorted(got.block_ids[:4]) and got.loaded_blocks == []
         stats = consumer.worker.stats  # type: ignore[attr-defined]
-        assert stats.sealed_loads == (1 if lane == "cma-started" else 0)  # the warm-up's only
-        assert stats.started_loads == (1 if lane == "cma-started" else 0)
+        assert stats.sealed_loads == (1 if lane.endswith("-started") else 0)  # the warm-up's only
+        assert stats.started_loads == (1 if lane.endswith("-started") else 0)
         assert _lane(consumer) == {lane.partition("-")[0]}
     finally:
         producer.close()

@@ -2,13 +2,13 @@
 
 The producer registers its KV once (:class:`Exporter`); a consumer that passed the metadata plane's
 checks gets, in the handshake, what it needs to address every block: the layout's
-:class:`~kvbridge.layout.BlockAddressing`, the producer's pid and a probe (for ``cma``), and its UCX
-worker address and packed rkeys (for ``ucp``). Per load the consumer derives remote and local
-addresses from block ids with one numpy expression (:func:`batch`) and hands the whole batch to the
-native modules (``cma``: :mod:`kvbridge._core`, ``ucp``: :mod:`kvbridge._ucp`), which merge adjacent
-descriptors and move them with the GIL released: :func:`read` in the calling thread, or :func:`start` (``cma``) on a native thread that then
-reads the seal word, so a consumer engine can start a read from its step and count it at its next poll.
-No staging copy on either side, and the producer's Python does nothing per transfer.
+:class:`~kvbridge.layout.BlockAddressing`, the producer's pid and a probe (``cma``), its TCP port and
+secret (``tcp``), its UCX worker address and packed rkeys (``ucp``). Per load the consumer derives
+remote and local addresses from block ids with one numpy expression (:func:`batch`) and hands the batch
+to the native modules (:mod:`kvbridge._core`, :mod:`kvbridge._ucp`), which merge adjacent descriptors
+and move them with the GIL released: :func:`read` in the calling thread, or :func:`start` (``cma``,
+``tcp``) on native threads that then read the seal word, so a consumer engine can start a read from its
+step and count it at its next poll. No staging copy, and the producer's Python does nothing per transfer.
 
 **Lanes** (option ``lane``):
 
@@ -16,9 +16,10 @@ No staging copy on either side, and the producer's Python does nothing per trans
   (what UCX's own cma transport does, but here a dead producer is an ``OSError``, never an abort).
   Chosen by ``auto`` when the probe reads back: the consumer reads a random nonce at an address the
   producer named, which proves same host, same pid namespace, permission, and the right process.
-- ``ucp`` — UCX RMA GET with *peer error handling* (a dead peer is an error): TCP between hosts, RDMA
-  with a site UCX, CUDA memory through UCX's cuda transports. ``auto`` takes it when ``cma`` cannot be
-  used (other host, CUDA KV).
+- ``tcp`` — kvbridge's own TCP streams (:mod:`.tcplane`), C threads on both ends. ``auto`` takes it between
+  hosts for a host-memory KV when the producer offers it and UCX has no RDMA lane to the producer.
+- ``ucp`` — UCX RMA GET with *peer error handling* (a dead peer is an error): RDMA, CUDA memory, TCP
+  where asked for. ``auto`` takes it when neither ``cma`` nor ``tcp`` can be used.
 - ``ucp-unsafe`` — UCX GET with error handling off, which lets UCX choose cma itself. A producer killed
   mid-read can then abort the consumer (UCX 1.21) or complete the read "OK" with wrong bytes (1.22):
   documented opt-in only.
@@ -70,7 +71,7 @@ import time
 from typing import Any
 
 import numpy as np
-from kvbridge.connectors.ucx import cuda
+from kvbridge.connectors.ucx import cuda, tcplane
 
 from kvbridge import native
 from kvbridge.errors import ConfigError, LayoutMismatch, PeerUnreachable, ProtocolError, TransferTimeout
@@ -79,7 +80,8 @@ from kvbridge.metadata.types import PeerInfo
 
 log = logging.getLogger(__name__)
 
-LANES = ("auto", "cma", "ucp", "ucp-unsafe", "two-sided")
+LANES = ("auto", "cma", "tcp", "ucp", "ucp-unsafe", "two-sided")
+STARTED = ("cma", "tcp")  # lanes whose reads start on native threads and bring the seal word with the data
 # handshake transport keys (PeerInfo.transport)
 ASK = "ucx1s_ask"  # consumer: request id + grant of the load that asks for one-sided access
 PID, PROBE, ADDRESSING, WORKER, RKEYS, MEMORY, BLOCKS = ("ucx1s_pid", "ucx1s_probe", "ucx1s_addressing", "ucx1s_worker",
@@ -221,7 +223,7 @@ class Seals:
 class Exporter:
     """A producer worker's KV, registered once for one-sided readers (``cma`` needs no registration)."""
 
-    def __init__(self, layout: KVLayout, tls: str):
+    def __init__(self, layout: KVLayout, tls: str, tcp: tcplane.Settings | None = None):
         self.layout = layout
         self.addressing = layout.addressing()
         self._probe = np.frombuffer(secrets.token_bytes(16), dtype=np.uint8).copy()  # kept alive with self
@@ -240,6 +242,12 @@ class Exporter:
         except Exception as exc:  # noqa: BLE001 - cma may still serve; say why ucp cannot
             self._ucp_error = f"{type(exc).__name__}: {exc}"
             log.info("one-sided ucp unavailable on this producer: %s", self._ucp_error)
+        self.tcp: tcplane.Server | None = None
+        why = tcplane.why_not() if tcp is not None else "not asked for"
+        if not why and _memory_type(layout) == "host":  # device memory cannot go to a socket without a copy
+            self.tcp = tcplane.Server(list(layout.regions()), (self.seals.words.ctypes.data, self.seals.words.nbytes), tcp)
+        elif tcp is not None:
+            log.info("tcp lane not served by this producer: %s", why or "its KV is device memory")
 
     def transport(self) -> dict[str, bytes]:
         """What a granted consumer gets in the handshake answer."""
@@ -256,9 +264,14 @@ class Exporter:
             out[RKEYS] = json.dumps([[r.address, r.length, bytes(r.rkey).hex()] for r in self._regions]).encode()
         if self._seal_region is not None:
             out[SEAL_RKEY] = bytes(self._seal_region.rkey).hex().encode()
+        if self.tcp is not None:
+            out.update(self.tcp.transport())
         return out
 
     def close(self) -> None:
+        if self.tcp is not None:  # its threads read the KV: they end before the KV can go
+            self.tcp.close()
+            self.tcp = None
         for region in [*self._regions, *([self._seal_region] if self._seal_region is not None else [])]:
             with contextlib.suppress(ValueError):  # its context closed first (at exit): already unmapped
                 region.close()
@@ -278,21 +291,26 @@ class Source:
     layer_rkey: np.ndarray | None = None  # rkey index per layer (ucp)
     seals: tuple[int, int] = (0, 0)  # (address, slots) of the producer's seal table; (0, 0): none
     seal_rkey: int = -1  # its rkey index (ucp); -1: not registered, the release confirms
+    tcp: Any = None  # kvbridge._core.TcpSource (tcp)
 
     def close(self) -> None:
+        if self.tcp is not None:
+            self.tcp.close()
+            self.tcp = None
         if self.ep is not None:
             with contextlib.suppress(ValueError):  # its context closed first (at exit)
                 self.ep.close(force=True)
             self.ep = None
 
 
-def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cut | None = None) -> Source | None:
+def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cut | None = None,
+                tcp: tcplane.Settings | None = None) -> Source | None:
     """The way to read ``theirs`` one-sided under ``lane``, or ``None`` when it did not export its KV
     (an older or two-sided producer: the caller falls back). Raises when ``lane`` names one that fails.
-    With ``cut`` (another tensor-parallel size), the source addresses only those bytes of each block."""
+    With ``cut`` (another TP size), the source addresses only those bytes of each block; ``tcp``: its settings."""
     t = theirs.transport
     if ADDRESSING not in t:
-        if lane in ("cma", "ucp", "ucp-unsafe"):
+        if lane in ("cma", "tcp", "ucp", "ucp-unsafe"):
             raise ProtocolError(f"producer {theirs.engine_id} offers no one-sided access (lane={lane!r})")
         return None
     addressing = BlockAddressing.from_json(t[ADDRESSING])
@@ -303,20 +321,29 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
         layout.addressing().check_compatible(addressing)
     num_blocks = int(t.get(BLOCKS, b"0"))
     host_kv = t.get(MEMORY, b"host") == b"host" and layout.device_type == "cpu"
+    address, _, slots = t.get(SEALS, b"0:0").decode().partition(":")
+    seals = (int(address), int(slots or 0))
     if lane in ("auto", "cma") and host_kv:
         pid = int(t[PID])
         if _probe(pid, t[PROBE]):
-            address, _, slots = t.get(SEALS, b"0:0").decode().partition(":")
-            return Source("cma", addressing, num_blocks, pid=pid, seals=(int(address), int(slots or 0)))
+            return Source("cma", addressing, num_blocks, pid=pid, seals=seals)
         if lane == "cma":
             raise PeerUnreachable(f"cma cannot read producer {theirs.engine_id} (pid {pid}): other host, "
                                   "pid namespace or permission (ptrace scope)")
+    tcp_ok = host_kv and tcplane.offered(t)
+    if lane == "tcp" and not tcp_ok:
+        raise PeerUnreachable(f"producer {theirs.engine_id} offers no tcp lane" if host_kv else "lane 'tcp' moves host-memory KV only")
+    tcp_source = functools.partial(Source, "tcp", addressing, num_blocks, seals=seals)
+    if lane == "tcp" or (lane == "auto" and tcp_ok and WORKER not in t):
+        return tcp_source(tcp=tcplane.connect(t, tcp or tcplane.Settings()))
     if WORKER not in t:
         raise PeerUnreachable(f"producer {theirs.engine_id} registered no KV with UCX; no one-sided lane left")
-    address, _, slots = t.get(SEALS, b"0:0").decode().partition(":")
     ctx = context(tls)
     ep = ctx.connect(t[WORKER], error_handling=lane != "ucp-unsafe")
     try:
+        if lane == "auto" and tcp_ok and not {name for name, _ in ep.transports()} & cuda.RDMA_LANES:
+            ep.close(force=True)  # RDMA stays UCX's (a true one-sided GET); over TCP kvbridge's streams win
+            return tcp_source(tcp=tcplane.connect(t, tcp or tcplane.Settings()))
         memory = "cuda" if layout.device_type == "cuda" or t.get(MEMORY, b"host") != b"host" else "host"
         cuda.warn_once(cuda.get_path(memory, ep.transports(), ctx.config), theirs.engine_id)  # never silent
         regions = json.loads(t[RKEYS])
@@ -332,7 +359,7 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
         ep.close(force=True)
         raise
     return Source("ucp" if lane != "ucp-unsafe" else lane, addressing, num_blocks, ep=ep, layer_rkey=layer_rkey,
-                  seals=(int(address), int(slots or 0)), seal_rkey=int(seal_rkey))  # fmt: skip
+                  seals=seals, seal_rkey=int(seal_rkey))  # fmt: skip
 
 
 def _peek(pid: int, address: int, out: np.ndarray) -> bool:
@@ -375,6 +402,8 @@ def sealed(src: Source, seal: Seal, timeout_s: float = 1.0) -> bool:
     got = np.zeros(1, dtype=np.uint64)
     if src.lane == "cma":
         return _peek(src.pid, address, got) and int(got[0]) == seal[1]
+    if src.lane == "tcp":
+        return tcplane.seal_word(src.tcp, address) == seal[1]
     if src.seal_rkey < 0 or src.ep is None:
         return False
     one = np.ones(1, dtype=np.uint64)
@@ -423,7 +452,7 @@ def batch(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.n
     remote = theirs.addresses(remote_ids)
     local = mine.addresses(local_ids)
     lengths = mine.lengths(len(local_ids))
-    if src.lane == "cma":
+    if src.lane in STARTED:
         return Batch(remote, local, lengths)
     assert src.layer_rkey is not None
     layer_rkey = src.layer_rkey if layers is None else src.layer_rkey[layers.start : layers.stop]
@@ -431,13 +460,13 @@ def batch(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.n
 
 
 def read(src: Source, todo: Batch, timeout_s: float) -> int:
-    """Move ``todo`` (see :func:`batch`) in one call; raises on any failure (the caller counts nothing as
-    loaded then)."""
-    if src.lane == "cma":
-        try:  # started and waited for: a read of 8 MiB or more runs in two pieces at once
+    """Move ``todo`` (see :func:`batch`) in one call; raises on any failure (then nothing counts as loaded)."""
+    if src.lane in STARTED:
+        try:  # started and waited for: cma runs a read of 8 MiB or more in two pieces at once, tcp in streams
             return int(start(src, todo, NO_SEAL).result()[0])
         except OSError as exc:
-            raise PeerUnreachable(f"cma read from pid {src.pid}: {exc}") from None
+            where = f"{src.lane} read" + (f" from pid {src.pid}" if src.lane == "cma" else "")
+            raise (TransferTimeout if isinstance(exc, TimeoutError) else PeerUnreachable)(f"{where}: {exc}") from None
     t0 = time.monotonic()
     try:
         return int(src.ep.get(todo.remote, todo.local, todo.lengths, todo.rkeys, timeout_s))
@@ -448,12 +477,15 @@ def read(src: Source, todo: Batch, timeout_s: float) -> int:
 
 
 def start(src: Source, todo: Batch, seal: Seal) -> Any:
-    """Start ``todo`` on a native thread of its own (``cma`` only), reading ``seal``'s word after the data:
-    a :class:`kvbridge._core.CmaRead` whose ``result()`` is ``(bytes, word)`` (word 0: no seal to read)
-    or raises ``OSError``. Nothing waits here; see :meth:`Puller.start`."""
+    """Start ``todo`` on native threads (``cma``, ``tcp``), reading ``seal``'s word after the data: a
+    :class:`kvbridge._core.CmaRead` or ``TcpRead`` whose ``result()`` is ``(bytes, word)`` (word 0: no
+    seal to read, or streams that disagree) or raises ``OSError``. Nothing waits here; see
+    :meth:`Puller.start`."""
     mod, _ = native.load_core()
-    assert mod is not None and src.lane == "cma"
+    assert mod is not None and src.lane in STARTED
     _drain_at_exit(mod)
+    if src.lane == "tcp":
+        return src.tcp.start(todo.remote, todo.local, todo.lengths, seal_address(src, seal))
     return mod.cma_start(src.pid, todo.remote, todo.local, todo.lengths, seal_address=seal_address(src, seal))
 
 
@@ -463,6 +495,6 @@ def _drain_at_exit(mod: Any) -> None:
     atexit.register(mod.drain, 10.0)
 
 
-__all__ = ["LANES", "NO_SEAL", "SEAL_SLOTS", "Batch", "Exporter", "Seal", "Seals", "Source", "batch", "context",
+__all__ = ["LANES", "NO_SEAL", "STARTED", "SEAL_SLOTS", "Batch", "Exporter", "Seal", "Seals", "Source", "batch", "context",
            "grant_covers", "new_key", "new_seal", "open_source", "read", "seal_address", "sealed", "sign", "start",
            "verify"]

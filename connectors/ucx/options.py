@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from kvbridge.connectors.ucx import onesided
+from kvbridge.connectors.ucx import onesided, tcplane
 
 from kvbridge import routable
 from kvbridge.options import require
@@ -38,11 +38,15 @@ class UcxOptions:
       "polling". "blocking" progresses UCX on the runtime's loop thread: more bulk throughput than
       "thread" but slower small-message round trips (compare with kvbridge.bench.ucx_baselines).
     - ``ucx_tls``: UCX_TLS for this process (wins over the environment; default ``^cma``); process-wide.
-    - ``lane``: how a consumer reads: "auto" (default: one-sided ``cma`` on one host, else one-sided
-      ``ucp`` GET with peer error handling, else the two-sided path when the native module is missing),
-      "cma", "ucp", "ucp-unsafe" (UCX may pick cma with error handling off: a dying producer can abort
+    - ``lane``: how a consumer reads: "auto" (default: one-sided ``cma`` on one host, else the ``tcp``
+      lane for a host-memory KV, else one-sided ``ucp`` GET with peer error handling, else the two-sided
+      path when the native module is missing), "cma", "tcp" (kvbridge's own TCP streams between hosts:
+      :mod:`kvbridge.connectors.ucx.tcplane`), "ucp", "ucp-unsafe" (UCX may pick cma with error handling off: a dying producer can abort
       the consumer), "two-sided" (tag sends served by the producer's Python). See
       :mod:`kvbridge.connectors.ucx.onesided`.
+    - ``tcp_streams``: connections a consumer reads one load over on the ``tcp`` lane (1 to 16).
+    - ``tcp_port``: the port a producer worker serves the ``tcp`` lane on (0: a free one; N: rank r
+      listens on N+r), on ``listen_host`` or else ``advertise_host``.
     - ``token``: shared token of the metadata plane (both sides must agree).
     - ``huge_pages``: back a CPU KV with transparent huge pages at registration (default on; see
       :mod:`kvbridge.connectors.ucx.hugepages`): one-sided ``cma`` reads then walk 2 MiB pages.
@@ -59,7 +63,9 @@ class UcxOptions:
     progress_mode: Literal["thread", "thread-polling", "blocking", "polling"] = "thread"
     ucx_tls: str = ""
     token: str | None = None
-    lane: Literal["auto", "cma", "ucp", "ucp-unsafe", "two-sided"] = "auto"
+    lane: Literal["auto", "cma", "tcp", "ucp", "ucp-unsafe", "two-sided"] = "auto"
+    tcp_streams: int = 4
+    tcp_port: int = 0
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
@@ -72,12 +78,19 @@ class UcxOptions:
         require(self.chunk_bytes >= 4096, f"chunk_bytes={self.chunk_bytes} must be >= 4096")
         require(1 <= self.max_inflight <= 64, f"max_inflight={self.max_inflight} outside [1, 64]")
         require(self.token is None or bool(self.token), "token must be non-empty (or unset)")
+        require(1 <= self.tcp_streams <= 16, f"tcp_streams={self.tcp_streams} outside [1, 16]")
+        require(0 <= self.tcp_port < 65536, f"tcp_port={self.tcp_port} outside [0, 65535]")
         require(self.lane in onesided.LANES, f"lane={self.lane!r} is not one of {', '.join(onesided.LANES)}")
 
     @property
     def advertised_host(self) -> str:
         """``advertise_host``, or where unset the routable address of this host (derived once per process)."""
         return self.advertise_host or _derived_host(self.listen_host)
+
+    @property
+    def tcp(self) -> tcplane.Settings:
+        """The ``tcp`` lane's settings (a producer adds its hosts: :class:`~.server.Server`)."""
+        return tcplane.Settings(port=self.tcp_port, streams=self.tcp_streams, timeout_s=self.timeout_s)
 
     @property
     def registry(self) -> Path:

@@ -10,7 +10,7 @@ Per producer address it handshakes once (cached with the endpoint or the one-sid
   buffer — never into the KV, so a late, partial or timed-out chunk never touches a block — scatter it
   (one op per layer), and finally release the producer's request.
 
-**Where it runs.** A load from a producer already handshaken on the ``cma`` lane starts from the engine's
+**Where it runs.** A load from a producer already handshaken on the ``cma`` or ``tcp`` lane starts from the engine's
 step itself (:meth:`Puller.start`): a native thread reads the blocks and then the seal word, and the poll
 that sees it over counts it — no Python thread between the engine and the read, whose two GIL hand-offs cost a
 visible share of a small hand-off (bench case ucx `transfer`, 8 MiB). Everything that waits on the network (a handshake, a ``ucp`` or two-sided load, the
@@ -133,14 +133,14 @@ class Puller:
             theirs_fp, cut = resliced
             ask = onesided.encode_ask(src.remote_request_id, src.grant)
             theirs = client.handshake(PeerInfo(self.info.engine_id, self.info.rank, theirs_fp, {onesided.ASK: ask}))
-            source = onesided.open_source(theirs, self.layout, lane, self.options.ucx_tls, cut)
+            source = onesided.open_source(theirs, self.layout, lane, self.options.ucx_tls, cut, self.options.tcp)
             if source is None:
                 raise ProtocolError(f"producer {theirs.engine_id} offers no one-sided access, which re-slicing needs")
             return _Peer(client, theirs, source=source)
         if mod:  # ask for one-sided access, naming the hand-off that entitles us to it
             ask = onesided.encode_ask(src.remote_request_id, src.grant)
             theirs = client.handshake(dataclasses.replace(self.info, transport={onesided.ASK: ask}))
-            source = onesided.open_source(theirs, self.layout, lane, self.options.ucx_tls)
+            source = onesided.open_source(theirs, self.layout, lane, self.options.ucx_tls, tcp=self.options.tcp)
             if source is not None:
                 return _Peer(client, theirs, source=source)
         theirs = client.handshake(self.info)
@@ -201,8 +201,8 @@ class Puller:
 
     # ---- one-sided ----
     def start(self, op: BlockLoad) -> Transfer | None:
-        """Start ``op`` at once on a native thread when it can run there: a producer already handshaken
-        on the ``cma`` lane, the same TP size. Returns its handle: once the read is over, the thread that
+        """Start ``op`` at once on native threads when it can run there: a producer already handshaken
+        on the ``cma`` or ``tcp`` lane, the same TP size. Returns its handle: once the read is over, the thread that
         polls counts the blocks if the seal proves them; else what is left — the confirming round trip, a
         failed read's clean-up — runs on an IO thread (a :class:`~kvbridge.transfer.Fallback`). ``None``:
         load it the usual way (:meth:`load`), which also reports whatever made this one not start."""
@@ -213,7 +213,7 @@ class Puller:
             address = self._address(src)
             with self._lock:
                 peer = self._peers.get(address)
-            if peer is None or peer.source is None or peer.source.lane != "cma":
+            if peer is None or peer.source is None or peer.source.lane not in onesided.STARTED:
                 return None
             t0 = time.perf_counter()
             running = onesided.start(peer.source, self._batch(peer.source, op, src), src.seal)
@@ -235,7 +235,8 @@ class Puller:
         """On an IO thread, for a started read the seal did not prove: a failed read's clean-up, or the producer's
         confirmation that it held the blocks throughout."""
         if read.error is not None:
-            return self._read_failed(address, op, src, peer, PeerUnreachable(f"cma read: {read.error}"))
+            lane = peer.source.lane if peer.source is not None else "one-sided"
+            return self._read_failed(address, op, src, peer, PeerUnreachable(f"{lane} read: {read.error}"))
         return self._confirm(address, peer, op, src, t0)
 
     def _read(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource) -> set[int]:
@@ -243,11 +244,15 @@ class Puller:
         it held them throughout (see :mod:`kvbridge.connectors.ucx.onesided`). All or nothing."""
         assert peer.source is not None
         t0 = time.perf_counter()
+        word = -1
         try:
-            self._read_blocks(peer.source, op, src)
+            if peer.source.lane == "tcp":  # the seal word comes back with the data: no second request
+                word = int(onesided.start(peer.source, self._batch(peer.source, op, src), src.seal).result()[1])
+            else:
+                self._read_blocks(peer.source, op, src)
         except Exception as exc:  # noqa: BLE001 - nothing counts; the producer frees its blocks
             return self._read_failed(address, op, src, peer, exc)
-        if onesided.sealed(peer.source, src.seal, self.options.timeout_s):
+        if (word == src.seal[1] != 0) or (word < 0 and onesided.sealed(peer.source, src.seal, self.options.timeout_s)):
             return self._sealed_read(address, op, src, t0)
         return self._confirm(address, peer, op, src, t0)
 

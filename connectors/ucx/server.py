@@ -82,7 +82,12 @@ class Server:
         if not ok:
             log.info("%s: one-sided reads unavailable (%s); serving two-sided pulls only", self.engine.engine_id, why)
             return None
-        return onesided.Exporter(layout, self.options.ucx_tls)
+        tcp = None
+        if self.options.lane in ("auto", "tcp"):  # served where consumers dial this worker's metadata server
+            host = self.options.advertised_host
+            port = self.options.tcp_port + self.engine.rank if self.options.tcp_port else 0
+            tcp = dataclasses.replace(self.options.tcp, host=self.options.listen_host or host, advertise=host, port=port)
+        return onesided.Exporter(layout, self.options.ucx_tls, tcp)
 
     # ---- metadata callbacks (gRPC threads) ----
     def _handshake(self, peer: PeerInfo) -> PeerInfo:

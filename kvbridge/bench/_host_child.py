@@ -1,6 +1,6 @@
 """Children of the cross-host bench (:mod:`kvbridge.bench.hosts`), each run on an emulated host.
 
-    python -m kvbridge.bench._host_child kvb-consumer POINT_JSON REPS PROGRESS_MODE SHA256
+    python -m kvbridge.bench._host_child kvb-consumer POINT_JSON REPS PROGRESS_MODE SHA256 [LANE]
     python -m kvbridge.bench._host_child tcp-send NBYTES STREAMS
     python -m kvbridge.bench._host_child tcp-recv HOST PORT NBYTES STREAMS REPS
 
@@ -44,7 +44,7 @@ def _slices(nbytes: int, streams: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def kvb_consumer(point_json: str, reps: int, progress_mode: str, digest: str) -> None:
+def kvb_consumer(point_json: str, reps: int, progress_mode: str, digest: str, lane: str = "auto") -> None:
     from kvbridge.bench.core import SHAPES, Point
     from kvbridge.bench.ucx_baselines import consume
 
@@ -55,7 +55,7 @@ def kvb_consumer(point_json: str, reps: int, progress_mode: str, digest: str) ->
         _say({"offer": rid})
         return list(json.loads(sys.stdin.readline())["params"])
 
-    timing = consume(point, reps, offer, digest, progress_mode)
+    timing = consume(point, reps, offer, digest, progress_mode, lane)
     _say({"samples": list(timing.samples)})
 
 
@@ -129,7 +129,7 @@ def main() -> None:
     role, args = sys.argv[1], sys.argv[2:]
     try:
         if role == "kvb-consumer":
-            kvb_consumer(args[0], int(args[1]), args[2], args[3])
+            kvb_consumer(args[0], int(args[1]), args[2], args[3], *args[4:5])
         elif role == "tcp-send":
             tcp_send(int(args[0]), int(args[1]))
         elif role == "tcp-recv":

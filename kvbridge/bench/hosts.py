@@ -9,8 +9,10 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
 
 - ``kvbridge``: the ``ucx`` backend as deployed (:func:`kvbridge.bench.ucx_baselines.consume`: a producer
   engine holds the point's requests in vLLM's layout, scattered blocks; the consumer engine pulls them in
-  one step; ``auto`` lane, which across hosts is a one-sided ucp GET over UCX's tcp); timed ``start_step``
-  to the last report; the warm-up checked by sha256.
+  one step; ``auto`` lane, which across hosts is the ``tcp`` lane: kvbridge's own streams, 4 by default);
+  timed ``start_step`` to the last report; the warm-up checked by sha256.
+- ``kvbridge-ucp``: the same with ``lane="ucp"``: a one-sided GET over UCX's tcp (emulated by active
+  messages).
 - ``tcp:1``, ``tcp:4``: plain TCP sockets (``sendall`` / ``recv_into``) moving the same byte count as one
   buffer over 1 and 4 streams at once; the warm-up's bytes compared.
 - ``ucp-get``: one ucp GET of the bytes as one buffer over UCX's tcp with peer error handling
@@ -46,7 +48,7 @@ from kvbridge.bench.baselines import Unavailable
 from kvbridge.bench.core import SHAPES, Point
 from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable
 
-ROWS = ("kvbridge", "tcp:1", "tcp:4", "ucp-get", "nixl", "mooncake", "cma")
+ROWS = ("kvbridge", "kvbridge-ucp", "tcp:1", "tcp:4", "ucp-get", "nixl", "mooncake", "cma")
 DEFAULT_ROWS = ROWS[:-1]
 CAPS = ("none", "25gbit", "10gbit")
 _PEER_ROWS = {"ucp-get": "ucp-get:tcp", "nixl": "nixl:tcp", "mooncake": "mooncake:tcp", "cma": "cma"}
@@ -88,7 +90,7 @@ class _Proc:
         self.err.close()
 
 
-def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "thread") -> list[float]:
+def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "thread", lane: str = "auto") -> list[float]:
     from kvbridge.bench.ucx_baselines import _point_json
 
     with tempfile.TemporaryDirectory(prefix="kvbridge-hosts-bench-") as registry:
@@ -97,7 +99,7 @@ def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "t
         try:
             digest = producer.line("producer")["sha256"]
             consumer = _Proc(b, ["-m", "kvbridge.bench._host_child", "kvb-consumer", _point_json(point), str(reps),
-                                 progress_mode, digest])
+                                 progress_mode, digest, lane])
             while True:
                 msg = consumer.line("consumer")
                 if "samples" in msg:
@@ -126,8 +128,8 @@ def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int) -> list[float]:
 
 def measure_row(row: str, a: Host, b: Host, point: Point, reps: int) -> list[float]:
     """``reps`` timed transfers of ``point``'s bytes by ``row``, from host ``a`` to host ``b`` (seconds)."""
-    if row == "kvbridge":
-        return _kvbridge(a, b, point, reps)
+    if row.startswith("kvbridge"):
+        return _kvbridge(a, b, point, reps, lane=row.partition("-")[2] or "auto")
     if row.startswith("tcp:"):
         return _tcp(a, b, point.nbytes, int(row.split(":")[1]), reps)
     name = _PEER_ROWS[row]
@@ -180,17 +182,17 @@ def _summary(cap: str, point: Point, row: str, rounds: list[list[float]], note: 
 
 
 def table(records: Sequence[dict[str, Any]]) -> str:
-    lines = [f"{'cap':7} {'tokens':>6} {'MiB':>5} {'row':9} {'GB/s':>6} {'(round medians)':>16} {'x tcp best':>10}  note"]
+    lines = [f"{'cap':7} {'tokens':>6} {'MiB':>5} {'row':12} {'GB/s':>6} {'(round medians)':>16} {'x tcp best':>10}  note"]
     for rec in records:
         best_tcp = max((r.get("gbps", 0.0) for r in records if r["cap"] == rec["cap"] and r["tokens"] == rec["tokens"]
                         and r["row"].startswith("tcp:")), default=0.0)  # fmt: skip
         if "gbps" in rec:
             ratio = f"{rec['gbps'] / best_tcp:10.2f}" if best_tcp else f"{'-':>10}"
             spread = "({:.2f}-{:.2f})".format(rec["low"], rec["high"])
-            lines.append(f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:9} {rec['gbps']:6.2f} "
+            lines.append(f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:12} {rec['gbps']:6.2f} "
                          f"{spread:>16} {ratio}")
         else:
-            lines.append(f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:9} {'-':>6} {'':16} "
+            lines.append(f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:12} {'-':>6} {'':16} "
                          f"{'':10}  {rec['note'][:160]}")
     return "\n".join(lines)
 

@@ -77,13 +77,14 @@ def _point_json(point: Point) -> str:
                        "ids": point.ids, "requests": point.requests})
 
 
-def _engine(point: Point, role: Literal["producer", "consumer"], seed: int, registry: str, progress_mode: str) -> Any:
+def _engine(point: Point, role: Literal["producer", "consumer"], seed: int, registry: str, progress_mode: str,
+            lane: str = "auto") -> Any:
     """A MiniEngine of ``point``'s geometry (vLLM's layout: K and V planes per layer) with room for its requests."""
     from kvbridge.connectors.ucx import UcxBackend, UcxOptions
     from kvbridge.testing import MiniEngine
 
     shape = point.shape
-    options = UcxOptions(registry_dir=registry, progress_mode=progress_mode)  # type: ignore[arg-type]
+    options = UcxOptions(registry_dir=registry, progress_mode=progress_mode, lane=lane)  # type: ignore[arg-type]
     return MiniEngine(UcxBackend(options), engine_id=f"bench-{role}", role=role, seed=seed,
                       num_blocks=point.requests * (point.blocks_per_request + 1) + 8, num_layers=shape.num_layers,
                       num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=point.block_size,
@@ -135,11 +136,13 @@ def two_processes(point: Point, reps: int, progress_mode: str = "thread") -> Tim
             _stop(proc)
 
 
-def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: str, progress_mode: str = "thread") -> Timing:
+def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: str, progress_mode: str = "thread",
+            lane: str = "auto") -> Timing:
     """The consumer's half of :func:`two_processes`: ``offer(rid)`` has the producer hand off its requests
-    again (their transfer params); ``reps`` timed pulls after a warm-up checked against ``digest``."""
+    again (their transfer params); ``reps`` timed pulls after a warm-up checked against ``digest``; ``lane``:
+    the consumer's (the producer offers every lane it can)."""
     with tempfile.TemporaryDirectory(prefix="kvbridge-ucx-bench-c-") as registry:
-        consumer = _engine(point, "consumer", 2, registry, progress_mode)
+        consumer = _engine(point, "consumer", 2, registry, progress_mode, lane)
         try:
             runs = request_blocks(point, consumer.layout.num_blocks, 2)
             full, tokens = point.blocks_per_request, list(range(point.blocks_per_request * point.block_size + 1))

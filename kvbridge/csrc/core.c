@@ -1,7 +1,8 @@
 /* kvbridge._core: the module.  Its parts are in pool.c (threads and the Job handle), copy.c (copy,
- * copy_start, cma_read, cma_start), file.c (file_start) and crc32c.c (crc32c); core.h says how they
- * fit.  Built with the machine's compiler alone: no UCX, so a host without it still has the fast paths of
- * the cpu, fs, chain and lmcache backends and native checksums. */
+ * copy_start, cma_read, cma_start), file.c (file_start), crc32c.c (crc32c) and the tcp lane (tcp.h:
+ * TcpServer, TcpSource); core.h says how they fit.  Built with the machine's compiler alone: no UCX, so a
+ * host without it still has the fast paths of the cpu, fs, chain and lmcache backends, native checksums
+ * and the tcp lane between hosts. */
 #include "core.h"
 
 static PyMethodDef module_methods[] = {
@@ -16,7 +17,7 @@ static PyMethodDef module_methods[] = {
     {"cma_start", (PyCFunction)(void (*)(void))py_cma_start, METH_VARARGS | METH_KEYWORDS,
      "cma_start(pid, remote, local, lengths, seal_address=0, *, cut_bytes=8 MiB) -> CmaRead: cma_read on the "
      "copy threads, then the 8-byte word at seal_address"},
-    {"drain", kv_drain, METH_O, "drain(timeout_s) -> bool: no transfer queued or running on the copy threads"},
+    {"drain", kv_drain, METH_O, "drain(timeout_s) -> bool: no transfer queued or running on the copy threads (or the tcp lane's)"},
     {"file_start", (PyCFunction)(void (*)(void))py_file_start, METH_VARARGS | METH_KEYWORDS,
      "file_start(runs, addresses, lengths, parts, *, write=False, cut_bytes, block_ids=None, block_stride=0) -> "
      "FileIO: blocks moved, checked"},
@@ -30,13 +31,15 @@ static struct PyModuleDef module_def = {
     "kvbridge's native copies, file IO and checksums, without UCX (see kvbridge/csrc/core.h)", -1, module_methods};
 
 PyMODINIT_FUNC PyInit__core(void) {
-    PyTypeObject *types[] = {&JobType, &CopyType, &CmaReadType, &FileIOType};
-    const char *names[] = {"Job", "Copy", "CmaRead", "FileIO"};
+    PyTypeObject *types[] = {&JobType, &CopyType, &CmaReadType, &FileIOType, &TcpServerType, &TcpSourceType,
+                             &TcpReadType};
+    const char *names[] = {"Job", "Copy", "CmaRead", "FileIO", "TcpServer", "TcpSource", "TcpRead"};
     const int ntypes = (int)(sizeof(types) / sizeof(types[0]));
     for (int i = 0; i < ntypes; i++)
         if (PyType_Ready(types[i]) < 0) return NULL;
     if (kv_pool_init() < 0) return PyErr_NoMemory();
     crc_init();
+    kv_tcp_init();
     PyObject *m = PyModule_Create(&module_def);
     if (!m) return NULL;
     if (PyModule_AddIntConstant(m, "HAS_CRC32C", crc_ready) < 0) goto fail;

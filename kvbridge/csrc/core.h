@@ -73,6 +73,10 @@ KVB_INTERNAL extern PyTypeObject JobType;
 KVB_INTERNAL JobObject *kv_new(PyTypeObject *type, kv_work_fn work);
 /* Queue the handle's job on the threads; the handle itself, or NULL with OSError (handle released). */
 KVB_INTERNAL PyObject *kv_queue(JobObject *h);
+/* A job run by threads of its own instead of the queue: kv_begin_own() before they start it,
+ * kv_end_own() from the last of them (err 0 or an errno; total: bytes moved). */
+KVB_INTERNAL void kv_begin_own(kv_job *j);
+KVB_INTERNAL void kv_end_own(kv_job *j, int err, uint64_t total);
 /* Wait (releases the GIL) until the job is over or timeout_s passed (< 0: no limit; 0: only look).
  * Returns whether it is over. */
 KVB_INTERNAL int kv_wait(kv_job *j, double timeout_s);
@@ -104,6 +108,11 @@ KVB_INTERNAL PyObject *py_cma_start(PyObject *mod, PyObject *args, PyObject *kw)
 
 KVB_INTERNAL extern PyTypeObject FileIOType;
 KVB_INTERNAL PyObject *py_file_start(PyObject *mod, PyObject *args, PyObject *kw);
+
+/* ---- tcp_serve.c, tcp_read.c: the tcp lane (tcp.h) */
+
+KVB_INTERNAL extern PyTypeObject TcpServerType, TcpSourceType, TcpReadType;
+KVB_INTERNAL void kv_tcp_init(void);
 
 /* ---- crc32c.c */
 

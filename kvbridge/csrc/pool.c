@@ -25,7 +25,8 @@ static struct {
     kv_piece *head, *tail;
     int threads, busy;  /* threads made; pieces they are running now */
     unsigned long gen;  /* forks so far */
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0};
+    int own;            /* jobs running on threads of their own (kv_begin_own), for drain() */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, 0, 0, 0, 0};
 
 /* Whether j is over (the lock held).  A job queued before this process was forked ran, if at all, in
  * the parent: here it ends as cancelled, so that nothing (its handle's dealloc included) waits for it. */
@@ -96,7 +97,7 @@ static void pool_after_fork(void) {
     pthread_cond_init(&pool.work, NULL);
     pthread_cond_init(&pool.over, NULL);
     pool.head = pool.tail = NULL;
-    pool.threads = pool.busy = 0;
+    pool.threads = pool.busy = pool.own = 0;
     pool.gen++;
 }
 
@@ -221,6 +222,26 @@ PyObject *kv_queue(JobObject *h) {
     return (PyObject *)h;
 }
 
+/* A job that runs on threads of its own (the tcp lane's streams, tcp_read.c) rather than the queue: it
+ * is marked running here so that wait(), done(), a fork and the handle's dealloc treat it like any job. */
+void kv_begin_own(kv_job *j) {
+    pthread_mutex_lock(&pool.lock);
+    j->gen = pool.gen;
+    j->done = 0;
+    pool.own++;
+    pthread_mutex_unlock(&pool.lock);
+}
+
+void kv_end_own(kv_job *j, int err, uint64_t total) {
+    pthread_mutex_lock(&pool.lock);
+    j->total = total;
+    if (err && !j->err) j->err = err;
+    j->done = 1;
+    if (j->gen == pool.gen) pool.own--; /* a job of the parent's, ended in a forked child, was never counted */
+    pthread_cond_broadcast(&pool.over);
+    pthread_mutex_unlock(&pool.lock);
+}
+
 int kv_check_blocks(kv_job *j, Py_ssize_t parts, const char *fn) {
     if (!crc_ready) {
         PyErr_Format(PyExc_RuntimeError, "%s: this CPU has no SSE4.2 (use google-crc32c)", fn);
@@ -262,8 +283,9 @@ PyObject *kv_drain(PyObject *mod, PyObject *arg) {
     int idle;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&pool.lock);
-    while ((pool.head || pool.busy) && pthread_cond_timedwait(&pool.over, &pool.lock, &until) != ETIMEDOUT) {}
-    idle = !pool.head && !pool.busy;
+    while ((pool.head || pool.busy || pool.own) &&
+           pthread_cond_timedwait(&pool.over, &pool.lock, &until) != ETIMEDOUT) {}
+    idle = !pool.head && !pool.busy && !pool.own;
     pthread_mutex_unlock(&pool.lock);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(idle);

@@ -1,0 +1,97 @@
+/* The tcp lane's internal header: its wire format and the socket helpers that tcp_serve.c (the producer's
+ * server) and tcp_read.c (the consumer's reads) share.
+ *
+ * Why a lane of our own: UCX over TCP has no one-sided GET; it emulates one with active messages on one
+ * connection in small segments, answered by a progress thread, and moves a fraction of what plain sockets
+ * move on the same link (bench case: `kvbridge bench hosts`, rows kvbridge-ucp and tcp:N).  Here the
+ * producer's C threads write the registered KV straight from its memory to several sockets at once, and
+ * the consumer's C threads read straight into its own KV; Python does nothing per block on either side.
+ *
+ * The wire (little-endian, one version):
+ *
+ *   consumer -> server, once per connection:  HELLO  u32 magic "KVBT", u32 version, u8 secret[32]
+ *   server -> consumer:                       u32 status (TCP_OK, or TCP_BAD_SECRET and the socket closes)
+ *   consumer -> server, per request:          u32 magic "KVBR", u32 n, u64 seal_address, n x (u64 addr, u64 len)
+ *   server -> consumer:                       u32 status, u32 0, u64 total; total bytes of data; u64 seal word
+ *
+ * A request outside the registered regions is answered TCP_OUT_OF_BOUNDS, and the connection closes: no
+ * byte of it is served.  The seal word is read after the data was copied into the socket (so it is never
+ * older than the data; MSG_ZEROCOPY would break that: the NIC would read the pages later), or 0 when the
+ * address is not a word of the seal table.
+ *
+ * Every socket operation waits with poll() and a deadline (tcp_wait); sockets are non-blocking, so no call
+ * blocks without one, and a dead peer or a cut link ends in ETIMEDOUT or a reset, never a hang.
+ */
+#ifndef KVB_TCP_H
+#define KVB_TCP_H
+
+#include "core.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+/* The wire's integers are written as the host holds them: both ends are little-endian here. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the tcp lane's wire is little-endian"
+#endif
+
+#define TCP_MAGIC_HELLO 0x5442564Bu   /* "KVBT" */
+#define TCP_MAGIC_REQUEST 0x5242564Bu /* "KVBR" */
+#define TCP_VERSION 1u
+#define TCP_SECRET_BYTES 32
+
+enum { TCP_OK = 0, TCP_BAD_SECRET = 1, TCP_OUT_OF_BOUNDS = 2, TCP_BAD_REQUEST = 3, TCP_BUSY = 4 };
+
+/* Descriptors in one request at most: bounds what a server allocates for one before checking it. */
+#define TCP_MAX_DESCS (1u << 20)
+
+typedef struct {
+    uint32_t magic, version;
+    uint8_t secret[TCP_SECRET_BYTES];
+} tcp_hello;
+
+typedef struct {
+    uint32_t magic, n;
+    uint64_t seal_address;
+} tcp_request;
+
+typedef struct {
+    uint32_t status, zero;
+    uint64_t total;
+} tcp_reply;
+
+typedef struct {
+    uint64_t addr, len;
+} tcp_desc;
+
+/* Seconds on CLOCK_MONOTONIC. */
+KVB_INTERNAL double tcp_now(void);
+/* Wait until fd is ready for `events` (POLLIN/POLLOUT), at most timeout_s: 0 (ready, or an error the next
+ * call will report) or ETIMEDOUT. */
+KVB_INTERNAL int tcp_wait(int fd, short events, double timeout_s);
+/* Send or receive all of iov[0..n) (the array is consumed in place).  Each wait for the socket lasts at
+ * most timeout_s: a transfer fails once that long passes without a byte moving.  Returns 0 or an errno
+ * (ECONNRESET when the peer closed mid-message). */
+KVB_INTERNAL int tcp_sendv(int fd, struct iovec *iov, int n, double timeout_s);
+KVB_INTERNAL int tcp_recvv(int fd, struct iovec *iov, int n, double timeout_s);
+KVB_INTERNAL int tcp_send_all(int fd, const void *buf, size_t len, double timeout_s);
+KVB_INTERNAL int tcp_recv_all(int fd, void *buf, size_t len, double timeout_s);
+/* A connected, non-blocking TCP socket to a numeric address (no name lookup: it could block without a
+ * deadline), TCP_NODELAY set; or -1 with *err set. */
+KVB_INTERNAL int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double timeout_s, int *err);
+/* A numeric host and port as a socket address: 0, or EINVAL. */
+KVB_INTERNAL int tcp_address(const char *host, int port, struct sockaddr_storage *out, socklen_t *len);
+/* fd made non-blocking and TCP_NODELAY (headers are small and answered at once). */
+KVB_INTERNAL void tcp_tune(int fd);
+/* Name the calling thread (top -H, /proc/<pid>/task, tests). */
+KVB_INTERNAL void tcp_name_thread(const char *name);
+
+static inline int tcp_secret_equal(const uint8_t *a, const uint8_t *b) {
+    uint8_t diff = 0; /* constant time: how much of a guess matched must not show in the answer's delay */
+    for (int i = 0; i < TCP_SECRET_BYTES; i++) diff |= (uint8_t)(a[i] ^ b[i]);
+    return diff == 0;
+}
+
+#endif

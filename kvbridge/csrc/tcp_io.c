@@ -1,0 +1,136 @@
+/* The tcp lane's socket helpers (tcp.h): every wait is a poll() with a deadline. */
+#include "tcp.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+double tcp_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+int tcp_wait(int fd, short events, double timeout_s) {
+    double until = tcp_now() + timeout_s;
+    for (;;) {
+        double left = until - tcp_now();
+        if (left <= 0) return ETIMEDOUT;
+        struct pollfd p = {fd, events, 0};
+        int r = poll(&p, 1, (int)(left * 1000.0) + 1);
+        if (r < 0 && errno != EINTR) return errno;
+        if (r > 0) return (p.revents & POLLNVAL) ? EBADF : 0;
+    }
+}
+
+/* Drop the first `moved` bytes of iov[0..n): returns how many entries are left, moved to the front. */
+static int iov_advance(struct iovec *iov, int n, size_t moved) {
+    int first = 0;
+    while (first < n && moved >= iov[first].iov_len) moved -= iov[first++].iov_len;
+    if (first < n && moved) {
+        iov[first].iov_base = (char *)iov[first].iov_base + moved;
+        iov[first].iov_len -= moved;
+    }
+    if (first) memmove(iov, iov + first, (size_t)(n - first) * sizeof(*iov));
+    return n - first;
+}
+
+/* The call is tried first and polled only when the socket is not ready: a stream that keeps up never pays
+ * a poll() per message. */
+static int move_all(int fd, struct iovec *iov, int n, double timeout_s, int sending) {
+    n = iov_advance(iov, n, 0); /* empty entries skipped: a recvmsg of nothing would read as the peer's close */
+    while (n > 0) {
+        struct msghdr m;
+        memset(&m, 0, sizeof(m));
+        m.msg_iov = iov;
+        m.msg_iovlen = (size_t)(n < IOV_MAX ? n : IOV_MAX);
+        ssize_t r = sending ? sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL) : recvmsg(fd, &m, MSG_DONTWAIT);
+        if (r > 0) {
+            n = iov_advance(iov, n, (size_t)r);
+            continue;
+        }
+        if (r == 0) return ECONNRESET; /* the peer closed before the message was whole */
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) return errno;
+        int err = tcp_wait(fd, sending ? POLLOUT : POLLIN, timeout_s);
+        if (err) return err;
+    }
+    return 0;
+}
+
+int tcp_sendv(int fd, struct iovec *iov, int n, double timeout_s) { return move_all(fd, iov, n, timeout_s, 1); }
+int tcp_recvv(int fd, struct iovec *iov, int n, double timeout_s) { return move_all(fd, iov, n, timeout_s, 0); }
+
+int tcp_send_all(int fd, const void *buf, size_t len, double timeout_s) {
+    struct iovec v = {(void *)buf, len};
+    return len ? tcp_sendv(fd, &v, 1, timeout_s) : 0;
+}
+
+int tcp_recv_all(int fd, void *buf, size_t len, double timeout_s) {
+    struct iovec v = {buf, len};
+    return len ? tcp_recvv(fd, &v, 1, timeout_s) : 0;
+}
+
+void tcp_tune(int fd) {
+    int one = 1;
+    (void)fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+int tcp_address(const char *host, int port, struct sockaddr_storage *out, socklen_t *len) {
+    memset(out, 0, sizeof(*out));
+    if (port < 0 || port > 65535) return EINVAL;
+    struct sockaddr_in *v4 = (struct sockaddr_in *)out;
+    struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)out;
+    if (inet_pton(AF_INET, host, &v4->sin_addr) == 1) {
+        v4->sin_family = AF_INET;
+        v4->sin_port = htons((uint16_t)port);
+        *len = sizeof(*v4);
+        return 0;
+    }
+    if (inet_pton(AF_INET6, host, &v6->sin6_addr) == 1) {
+        v6->sin6_family = AF_INET6;
+        v6->sin6_port = htons((uint16_t)port);
+        *len = sizeof(*v6);
+        return 0;
+    }
+    return EINVAL;
+}
+
+int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double timeout_s, int *err) {
+    int fd = socket(addr->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        *err = errno;
+        return -1;
+    }
+    tcp_tune(fd);
+    if (connect(fd, addr, addrlen) < 0 && errno != EINPROGRESS) {
+        *err = errno;
+        close(fd);
+        return -1;
+    }
+    int e = tcp_wait(fd, POLLOUT, timeout_s);
+    socklen_t sl = sizeof(int);
+    if (!e && getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &sl) < 0) e = errno;
+    if (e) {
+        *err = e;
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+void tcp_name_thread(const char *name) {
+#ifdef __linux__
+    (void)pthread_setname_np(pthread_self(), name);
+#else
+    (void)name;
+#endif
+}

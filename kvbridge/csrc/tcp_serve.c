@@ -1,0 +1,374 @@
+/* The tcp lane's producer side: kvbridge._core.TcpServer serves byte ranges of the registered KV regions to
+ * consumers that present the registration's secret (wire: tcp.h).
+ *
+ *   TcpServer(host, port, regions, secret, *, seals=(0, 0), timeout_s=10, idle_s=300)
+ *     .port, .stats() -> (connections, requests, bytes, refused), .close(timeout_s=10) -> bool
+ *
+ * One thread accepts; each connection gets a thread of its own that answers its requests in order, so a
+ * consumer's N streams are served at once and the producer's engine never steps for them.  The data goes
+ * from the KV's memory to the socket with sendmsg (one copy, into the socket's buffer; no staging).
+ *
+ * Safety: a request is served only if every range lies inside one registered region (the rest of the
+ * process is never readable), only on a connection whose hello carried the secret, and the seal word
+ * is read after the data was handed to the socket.  A consumer that dies or stalls costs a closed
+ * socket: every send waits at most timeout_s, and an idle connection closes after idle_s.
+ */
+#include "tcp.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* Connections served at once; one more is closed at accept (a consumer opens a handful per producer). */
+#define SERVE_MAX_CONNS 256
+
+typedef struct {
+    uint64_t lo, hi;
+} region;
+
+typedef struct server {
+    int lfd, wake[2];
+    region *regions;
+    int nregions;
+    uint64_t seal_lo, seal_hi;
+    uint8_t secret[TCP_SECRET_BYTES];
+    double timeout_s, idle_s;
+    pthread_mutex_t lock;
+    pthread_cond_t gone;
+    int threads; /* alive: the accept thread and each connection's */
+    int stopping;
+    int conns[SERVE_MAX_CONNS]; /* open connections' fds (-1: free), shut down by close() */
+    uint64_t n_conns, n_requests, n_bytes, n_refused;
+} server;
+
+typedef struct {
+    server *s;
+    int fd, slot;
+} conn;
+
+/* Whether [addr, addr + len) lies inside one region; *hint: the region the last range hit (ranges of a
+ * request mostly follow each other). */
+static int inside(const server *s, uint64_t addr, uint64_t len, int *hint) {
+    if (addr + len < addr) return 0;
+    for (int k = 0; k < s->nregions; k++) {
+        int i = (*hint + k) % s->nregions;
+        if (addr >= s->regions[i].lo && addr + len <= s->regions[i].hi) {
+            *hint = i;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static void count(server *s, uint64_t *field, uint64_t n) {
+    pthread_mutex_lock(&s->lock);
+    *field += n;
+    pthread_mutex_unlock(&s->lock);
+}
+
+static int reply(int fd, uint32_t status, uint64_t total, double timeout_s) {
+    tcp_reply r = {status, 0, total};
+    return tcp_send_all(fd, &r, sizeof(r), timeout_s);
+}
+
+/* One request, its header read.  Returns 0 to go on with the connection, else an errno or -1 (close). */
+static int serve_request(server *s, int fd, const tcp_request *q, tcp_desc **buf, size_t *cap, struct iovec *iov) {
+    if (q->magic != TCP_MAGIC_REQUEST || q->n > TCP_MAX_DESCS) {
+        (void)reply(fd, TCP_BAD_REQUEST, 0, s->timeout_s);
+        return -1;
+    }
+    if (q->n > *cap) {
+        tcp_desc *grown = realloc(*buf, (size_t)q->n * sizeof(tcp_desc));
+        if (!grown) return ENOMEM;
+        *buf = grown;
+        *cap = q->n;
+    }
+    int err = tcp_recv_all(fd, *buf, (size_t)q->n * sizeof(tcp_desc), s->timeout_s);
+    if (err) return err;
+    uint64_t total = 0;
+    int hint = 0;
+    for (uint32_t i = 0; i < q->n; i++) {
+        if (!inside(s, (*buf)[i].addr, (*buf)[i].len, &hint)) {
+            count(s, &s->n_refused, 1);
+            (void)reply(fd, TCP_OUT_OF_BOUNDS, 0, s->timeout_s);
+            return -1; /* nothing of it served; a consumer that asks outside the KV is not asked again */
+        }
+        total += (*buf)[i].len;
+    }
+    /* the reply's header leads the first batch of data: one send for both */
+    tcp_reply head = {TCP_OK, 0, total};
+    iov[0] = (struct iovec){&head, sizeof(head)};
+    int k = 1;
+    for (uint32_t i = 0; i <= q->n; i++) {
+        if (i == q->n || k == IOV_MAX) {
+            if ((err = tcp_sendv(fd, iov, k, s->timeout_s))) return err;
+            k = 0;
+        }
+        if (i < q->n) iov[k++] = (struct iovec){(void *)(uintptr_t)(*buf)[i].addr, (size_t)(*buf)[i].len};
+    }
+    /* every data byte is in the socket now, so the word read here is not older than any of them */
+    uint64_t word = 0, a = q->seal_address;
+    if (a && a % 8 == 0 && a >= s->seal_lo && a + 8 <= s->seal_hi)
+        word = __atomic_load_n((const uint64_t *)(uintptr_t)a, __ATOMIC_ACQUIRE);
+    if ((err = tcp_send_all(fd, &word, sizeof(word), s->timeout_s))) return err;
+    pthread_mutex_lock(&s->lock);
+    s->n_requests++;
+    s->n_bytes += total;
+    pthread_mutex_unlock(&s->lock);
+    return 0;
+}
+
+static void thread_gone(server *s) {
+    pthread_mutex_lock(&s->lock);
+    s->threads--;
+    pthread_cond_broadcast(&s->gone);
+    pthread_mutex_unlock(&s->lock);
+}
+
+static void *conn_main(void *arg) {
+    conn c = *(conn *)arg;
+    free(arg);
+    server *s = c.s;
+    tcp_name_thread("kvbridge-serve");
+    tcp_desc *buf = NULL;
+    size_t cap = 0;
+    struct iovec *iov = malloc(sizeof(struct iovec) * IOV_MAX);
+    tcp_hello h;
+    int err = iov ? tcp_recv_all(c.fd, &h, sizeof(h), s->timeout_s) : ENOMEM;
+    if (!err) {
+        int ok = h.magic == TCP_MAGIC_HELLO && h.version == TCP_VERSION && tcp_secret_equal(h.secret, s->secret);
+        uint32_t status = ok ? TCP_OK : TCP_BAD_SECRET;
+        err = tcp_send_all(c.fd, &status, sizeof(status), s->timeout_s);
+        if (!ok) {
+            count(s, &s->n_refused, 1);
+            err = -1;
+        }
+    }
+    while (!err) {
+        tcp_request q;
+        /* between requests the connection may idle (a consumer keeps its streams open), up to idle_s */
+        err = tcp_wait(c.fd, POLLIN, s->idle_s);
+        if (!err) err = tcp_recv_all(c.fd, &q, sizeof(q), s->timeout_s);
+        if (!err) err = serve_request(s, c.fd, &q, &buf, &cap, iov);
+    }
+    free(buf);
+    free(iov);
+    pthread_mutex_lock(&s->lock);
+    s->conns[c.slot] = -1;
+    pthread_mutex_unlock(&s->lock);
+    close(c.fd);
+    thread_gone(s);
+    return NULL;
+}
+
+/* Waits for connections without a deadline: nothing is in flight here, and close() wakes it (s->wake). */
+static void *accept_main(void *arg) {
+    server *s = arg;
+    tcp_name_thread("kvbridge-accept");
+    for (;;) {
+        struct pollfd p[2] = {{s->lfd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};
+        if (poll(p, 2, -1) < 0 && errno != EINTR) break;
+        if (p[1].revents) break;
+        if (!(p[0].revents & POLLIN)) continue;
+        int fd = accept4(s->lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) continue;
+        tcp_tune(fd);
+        pthread_mutex_lock(&s->lock);
+        int slot = -1;
+        for (int i = 0; i < SERVE_MAX_CONNS && slot < 0 && !s->stopping; i++)
+            if (s->conns[i] < 0) slot = i;
+        conn *c = slot >= 0 ? malloc(sizeof(conn)) : NULL;
+        pthread_t t;
+        if (c) {
+            *c = (conn){s, fd, slot};
+            s->conns[slot] = fd;
+            s->threads++;
+            s->n_conns++;
+            if (pthread_create(&t, NULL, conn_main, c) == 0) pthread_detach(t);
+            else {
+                s->conns[slot] = -1;
+                s->threads--;
+                free(c);
+                c = NULL;
+            }
+        }
+        pthread_mutex_unlock(&s->lock);
+        if (!c) close(fd); /* too many at once, or no thread: the consumer sees a reset */
+    }
+    thread_gone(s);
+    return NULL;
+}
+
+typedef struct {
+    PyObject_HEAD
+    server *s;
+    int port;
+} TcpServerObject;
+
+static void server_free(server *s) {
+    if (s->lfd >= 0) close(s->lfd);
+    if (s->wake[0] >= 0) close(s->wake[0]);
+    if (s->wake[1] >= 0) close(s->wake[1]);
+    free(s->regions);
+    free(s);
+}
+
+/* Stop accepting, shut every connection down (its thread sees the hang-up at its next wait), and wait up
+ * to timeout_s for every thread to end: they read the KV, which the caller frees after this.  Returns
+ * whether they all ended (if not, the server's memory is kept for them). */
+static int server_stop(TcpServerObject *o, double timeout_s) {
+    server *s = o->s;
+    if (!s) return 1;
+    int all;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&s->lock);
+    if (!s->stopping) {
+        s->stopping = 1;
+        char one = 1;
+        (void)!write(s->wake[1], &one, 1);
+        for (int i = 0; i < SERVE_MAX_CONNS; i++)
+            if (s->conns[i] >= 0) shutdown(s->conns[i], SHUT_RDWR);
+    }
+    double until = tcp_now() + timeout_s;
+    while (s->threads > 0 && tcp_now() < until) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&s->gone, &s->lock, &ts);
+    }
+    all = s->threads == 0;
+    pthread_mutex_unlock(&s->lock);
+    Py_END_ALLOW_THREADS
+    if (all) server_free(s);
+    o->s = NULL;
+    return all;
+}
+
+static int server_init(TcpServerObject *o, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"host", "port", "regions", "secret", "seals", "timeout_s", "idle_s", NULL};
+    const char *host;
+    int port;
+    PyObject *regions;
+    Py_buffer secret;
+    unsigned long long seal_lo = 0, seal_len = 0;
+    double timeout_s = 10.0, idle_s = 300.0;
+    if (o->s) {
+        PyErr_SetString(PyExc_RuntimeError, "TcpServer: already started");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "siOy*|$(KK)dd", kwlist, &host, &port, &regions, &secret, &seal_lo,
+                                     &seal_len, &timeout_s, &idle_s))
+        return -1;
+    int ok = secret.len == TCP_SECRET_BYTES && timeout_s > 0 && idle_s > 0;
+    if (!ok) PyErr_Format(PyExc_ValueError, "TcpServer: the secret must be %d bytes, timeouts > 0", TCP_SECRET_BYTES);
+    PyObject *seq = ok ? PySequence_Fast(regions, "TcpServer: regions must be a sequence of (address, length)") : NULL;
+    server *s = seq ? calloc(1, sizeof(server)) : NULL;
+    if (seq && !s) PyErr_NoMemory();
+    if (!s) goto fail;
+    s->lfd = s->wake[0] = s->wake[1] = -1;
+    for (int i = 0; i < SERVE_MAX_CONNS; i++) s->conns[i] = -1;
+    s->nregions = (int)PySequence_Fast_GET_SIZE(seq);
+    s->regions = calloc((size_t)s->nregions + 1, sizeof(region));
+    if (!s->regions) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (int i = 0; i < s->nregions; i++) {
+        unsigned long long a, n;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KK", &a, &n)) goto fail;
+        s->regions[i] = (region){a, a + n};
+    }
+    memcpy(s->secret, secret.buf, TCP_SECRET_BYTES);
+    s->seal_lo = seal_lo;
+    s->seal_hi = seal_lo + seal_len;
+    s->timeout_s = timeout_s;
+    s->idle_s = idle_s;
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->gone, NULL);
+    struct sockaddr_storage addr;
+    socklen_t alen;
+    if (tcp_address(host, port, &addr, &alen)) {
+        PyErr_Format(PyExc_ValueError, "TcpServer: %s:%d is not a numeric address and port", host, port);
+        goto fail;
+    }
+    int one = 1;
+    s->lfd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s->lfd < 0 || setsockopt(s->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
+        bind(s->lfd, (struct sockaddr *)&addr, alen) < 0 || listen(s->lfd, 128) < 0 || pipe2(s->wake, O_CLOEXEC) < 0 ||
+        getsockname(s->lfd, (struct sockaddr *)&addr, &alen) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto fail;
+    }
+    o->port = ntohs(addr.ss_family == AF_INET ? ((struct sockaddr_in *)&addr)->sin_port
+                                              : ((struct sockaddr_in6 *)&addr)->sin6_port);
+    pthread_t t;
+    s->threads = 1;
+    int err = pthread_create(&t, NULL, accept_main, s);
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto fail;
+    }
+    pthread_detach(t);
+    o->s = s;
+    Py_DECREF(seq);
+    PyBuffer_Release(&secret);
+    return 0;
+fail:
+    if (s) server_free(s);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&secret);
+    return -1;
+}
+
+static PyObject *server_close(TcpServerObject *o, PyObject *args) {
+    double timeout_s = 10.0;
+    if (!PyArg_ParseTuple(args, "|d", &timeout_s)) return NULL;
+    return PyBool_FromLong(server_stop(o, timeout_s));
+}
+
+static PyObject *server_stats(TcpServerObject *o, PyObject *unused) {
+    server *s = o->s;
+    if (!s) return Py_BuildValue("(KKKK)", 0ULL, 0ULL, 0ULL, 0ULL);
+    pthread_mutex_lock(&s->lock);
+    PyObject *r = Py_BuildValue("(KKKK)", (unsigned long long)s->n_conns, (unsigned long long)s->n_requests,
+                                (unsigned long long)s->n_bytes, (unsigned long long)s->n_refused);
+    pthread_mutex_unlock(&s->lock);
+    return r;
+}
+
+static PyObject *server_port(TcpServerObject *o, void *unused) { return PyLong_FromLong(o->port); }
+
+static void server_dealloc(TcpServerObject *o) {
+    (void)server_stop(o, 10.0);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+static PyMethodDef server_methods[] = {
+    {"close", (PyCFunction)server_close, METH_VARARGS,
+     "close(timeout_s=10) -> bool: stop serving; True once every serving thread ended (the KV may go then)"},
+    {"stats", (PyCFunction)server_stats, METH_NOARGS, "stats() -> (connections, requests, bytes, refused)"},
+    {NULL}};
+
+static PyGetSetDef server_getset[] = {{"port", (getter)server_port, NULL, "the port it listens on", NULL}, {NULL}};
+
+PyTypeObject TcpServerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvbridge._core.TcpServer",
+    .tp_doc = "TcpServer(host, port, regions, secret, *, seals=(0, 0), timeout_s=10, idle_s=300): serves the "
+              "registered regions' bytes to consumers holding the secret (the tcp lane)",
+    .tp_basicsize = sizeof(TcpServerObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)server_init,
+    .tp_dealloc = (destructor)server_dealloc,
+    .tp_methods = server_methods,
+    .tp_getset = server_getset,
+};

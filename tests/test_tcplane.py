@@ -1,0 +1,204 @@
+"""kvbridge._core's tcp lane with real sockets, between real processes: on loopback and across emulated hosts
+(kvbridge.testing.hosts; those tests need root and skip, saying why, without).
+
+Every read is scattered (blocks in reverse order into consecutive slots) and checked both ways: the reader
+compares every word with the producer's pattern, and its sha256 with the one the producer computes over
+the same blocks. Refusals (ranges outside the registered KV, a wrong secret) serve no byte. Faults (the
+producer killed, the link down or dropped by nftables, the reader killed) end the read within its
+timeout_s without counting anything, and the same reader loads again once the link is back.
+
+Peers: tests/helpers/tcp_peer.py.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge import native
+
+if native.load_core()[0] is None or not hasattr(native.load_core()[0], "TcpServer"):
+    pytest.skip(f"kvbridge._core with the tcp lane: {native.load_core()[1]}", allow_module_level=True)
+
+from kvbridge.testing.hosts import Host  # noqa: E402
+
+PEER = Path(__file__).parent / "helpers" / "tcp_peer.py"
+BLOCK = 64 << 10
+TIMEOUT_S = 2.0
+
+
+class Peer:
+    """A tcp_peer.py process (on a host, or here): one JSON line per command."""
+
+    def __init__(self, *args: str, host: Host | None = None):
+        argv = [sys.executable, str(PEER), *args]
+        kw: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+        self.proc = host.popen(argv, **kw) if host is not None else subprocess.Popen(argv, **kw)
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+
+    def line(self, timeout: float = 30.0) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self._lines.get(timeout=timeout)))
+        except queue.Empty:
+            raise AssertionError(f"tcp_peer said nothing for {timeout}s (exit {self.proc.poll()})") from None
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, timeout: float = 30.0, **cmd: Any) -> dict[str, Any]:
+        self.send(**cmd)
+        return self.line(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def _pair(nbytes: int, a: Host | None = None, b: Host | None = None, **kw: Any) -> tuple[Peer, Peer, dict[str, Any]]:
+    host = a.address if a is not None else "127.0.0.1"
+    producer = Peer("serve", "--bytes", str(nbytes), "--host", host, "--timeout", str(TIMEOUT_S), host=a)
+    info = producer.line()
+    reader = Peer("read", "--host", host, "--port", str(info["port"]), "--secret", kw.get("secret", info["secret"]),
+                  "--streams", str(kw.get("streams", 4)), "--timeout", str(TIMEOUT_S), host=b)
+    return producer, reader, info
+
+
+def _read_all(producer: Peer, reader: Peer, info: dict[str, Any], blocks: int, seal: int = 0) -> dict[str, Any]:
+    order = list(range(blocks))[::-1]
+    got = reader.ask(address=info["address"], block=BLOCK, order=order, seal=seal, timeout=60)
+    assert "error" not in got, got
+    want = producer.ask(op="sha", offset=0, block=BLOCK, order=order)["sha"]
+    assert got["bytes"] == blocks * BLOCK and got["exact"] and got["sha"] == want, got
+    return got
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+def test_loopback_reads_are_bit_exact(streams: int) -> None:
+    producer, reader, info = _pair(256 * BLOCK, streams=streams)
+    try:
+        for blocks in (1, 17, 256):  # one stream below 1 MiB, then cut between `streams`
+            _read_all(producer, reader, info, blocks)
+        conns, requests, _, refused = producer.ask(op="stats")["stats"]
+        assert refused == 0 and requests >= 3 and conns <= streams  # connections kept between reads
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_ranges_outside_the_registered_kv_are_refused() -> None:
+    producer, reader, info = _pair(16 * BLOCK)
+    try:
+        for address in (info["address"] + info["length"] - 8, info["address"] - BLOCK, 4096):
+            got = reader.ask(address=address, block=BLOCK, order=[0])
+            assert "refused ranges outside" in got["error"] and got["errno"] == 14, got  # EFAULT
+        assert producer.ask(op="stats")["stats"][3] == 3
+        _read_all(producer, reader, info, 16)  # the refusal closed that connection only
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_a_wrong_secret_is_refused() -> None:
+    producer, reader, info = _pair(16 * BLOCK, secret="00" * 32)
+    try:
+        got = reader.ask(address=info["address"], block=BLOCK, order=[0])
+        assert got["error"].startswith("PermissionError") and "secret" in got["error"], got
+        conns, requests, sent, refused = producer.ask(op="stats")["stats"]
+        assert (requests, sent, refused) == (0, 0, 1)
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_the_seal_word_comes_after_the_data_or_is_zero() -> None:
+    producer, reader, info = _pair(64 * BLOCK)
+    try:
+        assert producer.ask(op="seal", slot=5, word=0x1234)["ok"]
+        slot5 = info["seals"] + 8 * 5
+        assert _read_all(producer, reader, info, 64, seal=slot5)["word"] == 0x1234  # every stream agrees
+        assert producer.ask(op="seal", slot=5, word=0)["ok"]  # the hold ended: the read must not count
+        assert _read_all(producer, reader, info, 64, seal=slot5)["word"] == 0
+        assert _read_all(producer, reader, info, 64, seal=slot5 + 3)["word"] == 0  # not a word of the table
+        assert _read_all(producer, reader, info, 64, seal=info["address"])["word"] == 0  # KV, not the table
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_across_hosts_reads_are_bit_exact(hosts: list[Host]) -> None:
+    a, b = hosts
+    producer, reader, info = _pair(512 * BLOCK, a, b)
+    try:
+        assert producer.ask(op="seal", slot=1, word=99)["ok"]
+        for blocks in (3, 512):
+            assert _read_all(producer, reader, info, blocks, seal=info["seals"] + 8)["word"] == 99
+    finally:
+        reader.close()
+        producer.close()
+
+
+RATE = "40mbit"  # 256 blocks of 64 KiB (16 MiB) take over 3 s: a fault lands mid-read
+FAIL_WITHIN_S = TIMEOUT_S + 1.5  # no progress for timeout_s, plus a loaded machine's slack
+
+
+@pytest.mark.parametrize("fault", ["producer-killed", "link-down", "nft-drop"])
+def test_a_fault_mid_read_fails_it_in_time_and_the_reader_goes_on(hosts: list[Host], fault: str) -> None:
+    a, b = hosts
+    a.set_rate(RATE)
+    producer, reader, info = _pair(256 * BLOCK, a, b)
+    try:
+        _read_all(producer, reader, info, 2)  # connected
+        reader.send(address=info["address"], block=BLOCK, order=list(range(256))[::-1])
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        {"producer-killed": producer.proc.kill, "link-down": a.link_down, "nft-drop": a.drop}[fault]()
+        got = reader.line(timeout=FAIL_WITHIN_S + 30)
+        assert "error" in got and time.monotonic() - t0 < FAIL_WITHIN_S, got  # failed, nothing counted
+        if fault == "producer-killed":
+            producer.close()
+            return
+        a.link_up() if fault == "link-down" else a.undrop()
+        a.set_rate(None)
+        _read_all(producer, reader, info, 256)  # the same reader, on fresh connections
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_a_reader_killed_mid_read_costs_the_producer_a_socket(hosts: list[Host]) -> None:
+    a, b = hosts
+    a.set_rate(RATE)
+    producer, reader, info = _pair(256 * BLOCK, a, b)
+    try:
+        reader.send(address=info["address"], block=BLOCK, order=list(range(256)))
+        time.sleep(0.5)
+        reader.close()
+        deadline = time.monotonic() + TIMEOUT_S + 5
+        while producer.ask(op="stats")["serving"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert producer.ask(op="stats")["serving"] == 0  # its threads ended with their sockets
+        a.set_rate(None)
+        other = Peer("read", "--host", a.address, "--port", str(info["port"]), "--secret", info["secret"], host=b)
+        try:
+            _read_all(producer, other, info, 64)
+        finally:
+            other.close()
+    finally:
+        producer.close()
