@@ -1,7 +1,7 @@
 """Routing by what kvbridge's tiers publish: requests whose prefix sits only in one engine's cpu tier, sent
 round-robin or cache-aware from a directory fed by the engines' own KV-event streams.
 
-    .venv-vllm/bin/python benches/vllm/tier_routing_bench.py [WORKDIR] [--prompts 16] [--flush 5]
+    .venv-vllm/bin/python benches/vllm/tier_routing_bench.py [WORKDIR] [--prompts 16] [--rounds 2] [--flush 5]
 
 Two ``api_server`` engines of the tiny model (one core each), each ``kv_both`` with ``kvbridge.CPUConnector``
 (a 192-block cpu tier), a 24-block GPU KV cache and ``--kv-events-config`` on ZMQ: vLLM publishes its GPU
@@ -9,7 +9,7 @@ prefix cache there (medium ``GPU``) and kvbridge its cpu tier (medium ``CPU``, :
 Beside each engine ``kvbridge publish`` keeps its stream in a Redis directory. Two ``kvbridge proxy``
 instances in front of both engines: ``--policy round-robin``, and ``--policy cache-aware --directory``.
 
-Per policy: ``--prompts`` fresh 200-token prompts, each computed once on its home engine (homes 0,0,1,1,...:
+Per policy and round (``--rounds``, alternating which policy goes first): ``--prompts`` fresh 200-token prompts, each computed once on its home engine (homes 0,0,1,1,...:
 not round robin's order), then ``--flush`` other prompts per engine push them out of the GPU caches (the
 cpu tiers keep them, and so does the directory: a block stays published while any medium holds it), then
 the prompts again, one at a time, through the proxy. Printed per policy: the hit rate (share of requests
@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
@@ -92,6 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workdir", type=Path, nargs="?")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per policy")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of both policies, alternating which goes first")
     ap.add_argument("--flush", type=int, default=5, help="prompts per engine that push them out of the GPU caches")
     args = ap.parse_args()
     tmp: Path = args.workdir or Path(tempfile.mkdtemp(prefix="tier_routing_bench-"))
@@ -123,32 +123,43 @@ def main() -> None:
         rng = random.Random(5)
         fresh = lambda: [rng.randrange(4, 2048) for _ in range(200)]  # noqa: E731
         ports = [port for _, _, port, _ in engines]
-        rows: dict[str, dict[str, Any]] = {}
-        for policy in POLICIES:
-            prompts = [fresh() for _ in range(args.prompts)]
-            for i, prompt in enumerate(prompts):
-                _ask(ports[i // 2 % 2], prompt)  # homes 0,0,1,1,...
-            for _ in range(args.flush):
-                for p in ports:
-                    _ask(p, fresh())
-            time.sleep(2)  # the last events reach the directory
-            before = [_series(p) for p in ports]
-            res = [_ask(proxies[policy][2], prompt) for prompt in prompts]
-            time.sleep(2)
-            after = [_series(p) for p in ports]
-            ttft = sorted(1e3 * t for _, t in res)
-            rows[policy] = {"hits": sum(1 for c, _ in res if c), "of": len(res),
-                            "ttft_mean_ms": statistics.fmean(ttft), "ttft_p99_ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-                            "tier_loads_per_engine": [a[0] - b[0] for a, b in zip(after, before)],
-                            "gpu_hit_tokens_per_engine": [a[1] - b[1] for a, b in zip(after, before)]}  # fmt: skip
-            print(policy, json.dumps(rows[policy]), flush=True)
-        head = f"{'policy':<12}  {'hit rate':>10}  {'TTFT mean':>9}  {'TTFT p99':>8}  {'tier loads':>10}  {'GPU hit tokens':>14}"
+        got: dict[str, list[tuple[int, float]]] = {p: [] for p in POLICIES}
+        loads: dict[str, list[float]] = {p: [0.0, 0.0] for p in POLICIES}
+        gpu: dict[str, list[float]] = {p: [0.0, 0.0] for p in POLICIES}
+        for rnd in range(args.rounds):
+            for policy in POLICIES if rnd % 2 == 0 else POLICIES[::-1]:  # A/B, B/A: drift in the load hits both
+                prompts = [fresh() for _ in range(args.prompts)]
+                for i, prompt in enumerate(prompts):
+                    _ask(ports[i // 2 % 2], prompt)  # homes 0,0,1,1,...
+                for _ in range(args.flush):
+                    for p in ports:
+                        _ask(p, fresh())
+                time.sleep(2)  # the last events reach the directory
+                before = [_series(p) for p in ports]
+                res = [_ask(proxies[policy][2], prompt) for prompt in prompts]
+                time.sleep(2)
+                after = [_series(p) for p in ports]
+                got[policy] += res
+                for e, (a, b) in enumerate(zip(after, before)):
+                    loads[policy][e] += a[0] - b[0]
+                    gpu[policy][e] += a[1] - b[1]
+                print(f"round {rnd} {policy}: cached_tokens {[c for c, _ in res]}", flush=True)
+        head = f"{'policy':<12}  {'hit rate':>12}  {'TTFT mean':>9}  {'TTFT p50':>8}  {'TTFT p99':>8}  {'tier loads':>10}  {'GPU hit tokens':>14}"
         print("\n" + head + "\n" + "-" * len(head))
-        for policy, r in rows.items():
-            loads, gpu = "+".join(f"{x:.0f}" for x in r["tier_loads_per_engine"]), "+".join(f"{x:.0f}" for x in r["gpu_hit_tokens_per_engine"])
-            print(f"{policy:<12}  {r['hits']:>3}/{r['of']:<3} {100 * r['hits'] / r['of']:>3.0f}%  {r['ttft_mean_ms']:>9.1f}  "
-                  f"{r['ttft_p99_ms']:>8.1f}  {loads:>10}  {gpu:>14}")  # fmt: skip
-        print("(TTFT in ms: the whole request, one output token; tier loads and GPU hit tokens per engine)")
+        for policy in POLICIES:
+            res, ttft = got[policy], sorted(1e3 * t for _, t in got[policy])
+            hits = sum(1 for c, _ in res if c)
+            p99 = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
+            print(f"{policy:<12}  {hits:>4}/{len(res):<4} {100 * hits / len(res):>3.0f}%  {statistics.fmean(ttft):>9.1f}  "
+                  f"{statistics.median(ttft):>8.1f}  {p99:>8.1f}  {'+'.join(f'{x:.0f}' for x in loads[policy]):>10}  "
+                  f"{'+'.join(f'{x:.0f}' for x in gpu[policy]):>14}")  # fmt: skip
+        print("(TTFT in ms: the whole request through the proxy, one output token; tier loads and GPU hit tokens per engine)")
+        page = call(proxies["cache-aware"][2], "GET", "/metrics")[1].decode()
+        for name in ("tokenize", "directory"):  # what cache-aware routing itself costs, inside its TTFT
+            vals = {k: float(line.split()[-1]) for line in page.splitlines() for k in ("sum", "count")
+                    if line.startswith(f"kvbridge_proxy_{name}_seconds_{k}")}  # fmt: skip
+            if vals.get("count"):
+                print(f"(cache-aware: {name} took the proxy {1e3 * vals['sum'] / vals['count']:.1f} ms per request, mean)")
     finally:
         stop_all([p for p, _, _ in procs] + [p for p, _ in sides])
         redis.kill()
