@@ -15,7 +15,8 @@ the served model name) of every full block the engine's prefix cache holds, unde
 - **vLLM's own KV-cache events**, where the engine publishes them (``--kv-events-config
   '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'``): a subscriber
   in the scheduler's process adds the chunks of each ``BlockStored`` block and takes back those of each
-  ``BlockRemoved`` one, so the directory follows vLLM's evictions exactly. A block is keyed from its
+  ``BlockRemoved`` one once no medium holds it (vLLM's GPU cache, a kvbridge tier: a block evicted from
+  the GPU but still in the engine's cpu tier stays published), so the directory follows evictions exactly. A block is keyed from its
   parent's key, so a block whose parent was never seen (events dropped by ZMQ under load, a
   subscriber that joined late) is skipped: a miss for routing, never a wrong answer.
 - **Otherwise, each request's end**: the chunks of its computed full blocks (prompt and output: the
@@ -138,7 +139,11 @@ class KVEventFeed:
     """Subscribes to vLLM's KV-cache events and turns them into route keys held or dropped.
 
     Each vLLM block hash maps to its chunks' keys (a chunk may be named by several blocks: the
-    same tokens in two KV-cache groups, so it is dropped when the last of them is removed).
+    same tokens in two KV-cache groups, so it is dropped when the last of them is removed) and to
+    the media that hold it (``medium``: vLLM's GPU prefix cache, a kvbridge tier's ``CPU`` or
+    ``DISK``, ...). A block stays published while any medium holds it: the GPU cache evicting a
+    block that the engine's cpu tier still holds takes nothing back. ``AllBlocksCleared`` names no
+    medium, so it takes back everything (a router may then under-count, never over-count).
     """
 
     def __init__(self, endpoint: str, topic: str, holdings: Holdings, model: str):
@@ -155,6 +160,7 @@ class KVEventFeed:
         self._sock.connect(endpoint)
         self._again = zmq.Again
         self._keys: dict[tuple[Any, Any], list[bytes]] = {}  # (group, vLLM block hash) -> its chunks' keys
+        self._media: dict[tuple[Any, Any], set[Any]] = {}  # (group, vLLM block hash) -> the media holding it
         self._refs: collections.Counter[bytes] = collections.Counter()
         self._stop = threading.Event()
         self.seen = 0  # events applied (for tests)
@@ -187,6 +193,7 @@ class KVEventFeed:
             self._removed(event)
         elif kind == "AllBlocksCleared":
             self._keys.clear()
+            self._media.clear()
             self._refs.clear()
             self.holdings.clear()
         self.seen += 1
@@ -213,6 +220,7 @@ class KVEventFeed:
                 self._keys[(group, block_hash)] = keys
                 self._refs.update(keys)
                 added += keys
+            self._media.setdefault((group, block_hash), set()).add(event.medium)
             prev = keys[-1]
         self.holdings.hold(added)
 
@@ -220,6 +228,13 @@ class KVEventFeed:
         group = getattr(event, "group_idx", None)
         gone: list[bytes] = []
         for block_hash in event.block_hashes:
+            media = self._media.get((group, block_hash))
+            if media is None:
+                continue
+            media.discard(event.medium)
+            if media:
+                continue  # another medium (a kvbridge tier, the GPU cache) still holds it
+            del self._media[(group, block_hash)]
             for key in self._keys.pop((group, block_hash), ()):
                 self._refs[key] -= 1
                 if self._refs[key] <= 0:

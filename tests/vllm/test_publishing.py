@@ -150,3 +150,56 @@ def test_kvbridge_publish_refuses_bad_input() -> None:
            "--advertise-url", "http://a:1", "--model", "m"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "directory" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_block_stays_published_while_any_medium_holds_it(directory: str) -> None:
+    """vLLM's GPU prefix cache and a kvbridge tier publish the same block under their own media (and vLLM
+    names its KV-cache group where kvbridge's tier events name none): the GPU evicting it takes nothing back
+    while the CPU tier holds it, and a removal from the CPU tier unpublishes only once no medium holds it."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+
+    from kvbridge.serving.publishing import KVEventFeed
+
+    port = free_port()
+    publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", topic="kv")
+    holdings = Holdings(open_directory(directory), "http://e:1", address="http://e:1", ttl_s=10)
+    feed = KVEventFeed(f"tcp://127.0.0.1:{port}", "kv", holdings, "tiny")
+    tokens = list(range(700, 700 + 32 * 2))
+    keys = route_keys(tokens, "tiny")
+
+    def send(*events: Any) -> None:
+        before = feed.seen
+        for _ in range(100):  # a SUB socket joins a moment after it connects: resend until it is heard
+            publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
+            if eventually(lambda: feed.seen > before, 0.1):
+                return
+        raise AssertionError("the subscriber never heard vLLM's publisher")
+
+    def stored(medium: str, group: int | None) -> BlockStored:
+        return BlockStored(block_hashes=[21, 22], parent_block_hash=None, token_ids=tokens, block_size=32, lora_id=None,
+                           medium=medium, lora_name=None, group_idx=group)  # fmt: skip
+
+    def depth() -> int:
+        return held_depth(open_directory(directory), "http://e:1", keys)
+
+    try:
+        for group in (0, None):  # the same group for both media, then vLLM's group 0 beside a tier's none
+            send(stored("GPU", 0), stored("CPU", group))
+            assert eventually(lambda: depth() == 4)
+            send(BlockRemoved(block_hashes=[21, 22], medium="GPU", group_idx=0))  # the GPU cache evicts both
+            time.sleep(0.3)
+            assert depth() == 4 and len(holdings.held()) == 4, "the cpu tier still holds them"
+            send(BlockRemoved(block_hashes=[22], medium="DISK", group_idx=group))  # a medium that never held it
+            time.sleep(0.3)
+            assert depth() == 4
+            send(BlockRemoved(block_hashes=[22], medium="CPU", group_idx=group))  # the tier evicts the second
+            assert eventually(lambda: depth() == 2)
+            send(stored("GPU", 0), BlockRemoved(block_hashes=[21], medium="CPU", group_idx=group))  # back on the GPU
+            time.sleep(0.3)
+            assert depth() == 4, "held by the GPU again"
+            send(BlockRemoved(block_hashes=[21, 22], medium="GPU", group_idx=0))
+            assert eventually(lambda: depth() == 0) and holdings.held() == []
+    finally:
+        feed.close()
+        holdings.close()
+        publisher.shutdown()
