@@ -1,6 +1,6 @@
 """Does an event-reading router send a request to the engine whose *kvbridge tier* holds its prefix?
 
-    python tests/vllm/kv_aware_bench.py WORKDIR [--flush N]
+    python benches/vllm/kv_aware_bench.py WORKDIR [--flush N]
 
 Two ``api_server`` engines (``kv_both``, ``kvbridge.CPUConnector`` with a 96-block cpu tier, a 24-block GPU
 KV cache, ``--kv-events-config`` publishing on ZMQ), one core each; two vllm-router 0.1.17 instances in front
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "vllm"))  # pdkit
 
 from pdkit import engine_env, make_tiny_llama  # noqa: E402
 from test_api_server import call, free_port, stop_all, text_of, wait_healthy  # noqa: E402
