@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,9 @@ import pytest
 from kvbridge.testing.hosts import Host, emulated_hosts
 from kvbridge.testing.hosts import unavailable as hosts_unavailable
 from kvbridge.testing.services import REDIS, RedisServer
+
+# modules the tests share (tests/helpers/pattern.py) import by name, as tests/vllm imports pdkit
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 
 @pytest.fixture

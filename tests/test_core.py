@@ -6,112 +6,35 @@ every byte read can be checked without a second copy."""
 from __future__ import annotations
 
 import errno
-import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from pattern import MiB, PatternPeer, descriptors, expected, read_until_killed, scattered
 
 from kvbridge import native
 
 core: Any = native.load_core()[0]
 pytestmark = pytest.mark.skipif(core is None, reason=f"kvbridge._core: {native.load_core()[1]}")
 
-PEER = Path(__file__).parent / "helpers" / "native_peer.py"
-K = np.uint64(0x9E3779B97F4A7C15)
-MiB = 1 << 20
 SLACK_S = 4.0  # a read of a killed peer ends within this, scheduling included
 PUT_AREA = 128 * MiB
 BIG = 256 * MiB
 
 
-def expected(first_word: np.ndarray, words: int) -> np.ndarray:
-    """The peer's words [first_word[i], first_word[i] + words) for each i, as rows."""
-    return (first_word.astype(np.uint64)[:, None] + np.arange(words, dtype=np.uint64)[None, :]) * K
-
-
-class Peer:
-    """tests/helpers/native_peer.py without UCX: a process holding the pattern, for process_vm_readv."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(PEER), "--bytes", str(nbytes), "--no-ucp"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-        got: list[str] = []
-        t = threading.Thread(target=lambda: got.append(self.proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
-        t.start()
-        t.join(30.0)
-        if not got or not got[0].startswith("{"):
-            self.kill()
-            raise RuntimeError("native_peer did not answer")
-        info = json.loads(got[0])
-        self.pid: int = info["pid"]
-        self.base: int = info["address"]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
-
-
 @pytest.fixture(scope="module")
-def peer() -> Iterator[Peer]:
+def peer() -> Iterator[PatternPeer]:
     if core is None:
         pytest.skip(native.load_core()[1])
-    p = Peer(PUT_AREA)
+    p = PatternPeer(["--bytes", str(PUT_AREA), "--no-ucp"])
     yield p
     p.close()
-
-
-def scattered(n: int, block: int, blocks: int, seed: int) -> np.ndarray:
-    """n block ids in random order, every eighth followed by its next two blocks (runs to merge)."""
-    ids = np.random.default_rng(seed).permutation(blocks)[:n].astype(np.uint64)
-    for i in range(0, n - 2, 8):
-        ids[i + 1] = min(ids[i] + 1, blocks - 1)
-        ids[i + 2] = min(ids[i] + 2, blocks - 1)
-    return ids
-
-
-def descriptors(base: int, local: np.ndarray, ids: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    remote = np.uint64(base) + ids * np.uint64(block)
-    laddr = np.uint64(local.ctypes.data) + np.arange(len(ids), dtype=np.uint64) * np.uint64(block)
-    return remote, laddr
-
-
-def read_until_killed(fn: Any, pid: int, delay: float, limit: float) -> tuple[BaseException, float]:
-    """Repeat fn() while the peer is SIGKILLed `delay` s in; the first exception and its time after the kill."""
-    killed: list[float] = []
-
-    def kill() -> None:
-        killed.append(time.monotonic())
-        os.kill(pid, signal.SIGKILL)
-
-    threading.Timer(delay, kill).start()
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - the test asserts the type
-            while not killed:
-                time.sleep(0.01)
-            return e, time.monotonic() - killed[0]
-    raise AssertionError(f"no error within {limit} s of reading from a killed peer")
 
 
 def test_the_core_loads_without_ucx() -> None:
@@ -138,7 +61,7 @@ def test_handles_are_their_own_types() -> None:
     assert not hasattr(core.CmaRead, "checked") and not hasattr(core.FileIO, "seal")
 
 
-def test_cma_read_scattered_bit_exact(peer: Peer) -> None:
+def test_cma_read_scattered_bit_exact(peer: PatternPeer) -> None:
     block, n = 4096, 512
     ids = scattered(n, block, PUT_AREA // block, seed=1)
     local = np.zeros(n * block // 8, np.uint64)
@@ -151,7 +74,7 @@ def test_cma_read_scattered_bit_exact(peer: Peer) -> None:
     assert np.array_equal(local.reshape(n, -1), expected(ids * (block // 8), block // 8))
 
 
-def test_cma_read_more_than_iov_max_and_errors(peer: Peer) -> None:
+def test_cma_read_more_than_iov_max_and_errors(peer: PatternPeer) -> None:
     n, block = 3 * core.IOV_MAX + 5, 64  # several process_vm_readv batches, nothing adjacent
     ids = np.arange(n, dtype=np.uint64) * np.uint64(3)
     local = np.zeros(n * block // 8, np.uint64)
@@ -165,7 +88,7 @@ def test_cma_read_more_than_iov_max_and_errors(peer: Peer) -> None:
         core.cma_read(2**22 + 12345, remote[:1], laddr[:1], 64)
 
 
-def test_cma_start_reads_on_a_native_thread_then_the_seal(peer: Peer) -> None:
+def test_cma_start_reads_on_a_native_thread_then_the_seal(peer: PatternPeer) -> None:
     """The read that the ucx consumer starts from the engine's thread: the same bytes as cma_read, then
     the 8-byte word at seal_address (read after the data), and the errors of cma_read from result()."""
     block, n = 4096, 512
@@ -195,7 +118,7 @@ def test_cma_start_reads_on_a_native_thread_then_the_seal(peer: Peer) -> None:
         core.cma_start(peer.pid, remote, laddr, block)
 
 
-def test_cma_start_cuts_a_long_read_between_its_threads(peer: Peer) -> None:
+def test_cma_start_cuts_a_long_read_between_its_threads(peer: PatternPeer) -> None:
     """A read of 8 MiB or more runs as two pieces at once: every byte lands, the seal word is read once
     both are over, and a piece that fails fails the read (whichever half it is)."""
     block, n = 64 * 1024, 160  # 10 MiB in uneven pieces' worth of descriptors, scattered
@@ -272,7 +195,7 @@ def test_copy_start_with_parts_checks_each_block_where_it_landed(cut_bytes: int)
         core.cma_start(os.getpid(), remote, at, lengths, parts=3)
 
 
-def test_cma_start_wait_times_out_then_completes(peer: Peer) -> None:
+def test_cma_start_wait_times_out_then_completes(peer: PatternPeer) -> None:
     """wait(t) gives up after t while the read goes on; a later wait sees it over."""
     block = 2 * MiB
     ids = np.arange(PUT_AREA // block, dtype=np.uint64)
@@ -322,7 +245,7 @@ def test_the_copy_threads_never_preempt_the_thread_that_starts_a_read() -> None:
 
 @pytest.mark.parametrize("call", ["cma_read", "cma_start"])
 def test_peer_killed_during_cma_read(call: str) -> None:
-    p = Peer(BIG)
+    p = PatternPeer(["--bytes", str(BIG), "--no-ucp"])
     block = 64 * 1024
     n = BIG // block
     ids = np.random.default_rng(4).permutation(n).astype(np.uint64)

@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from pattern import MiB, PatternPeer, descriptors, expected, read_until_killed, scattered
 
 from kvbridge import native
 
@@ -39,66 +36,26 @@ def _needs_native(request: pytest.FixtureRequest) -> None:
         require_native()
 
 
-PEER = Path(__file__).parent / "helpers" / "native_peer.py"
-K = np.uint64(0x9E3779B97F4A7C15)
-MiB = 1 << 20
 SLACK_S = 4.0  # a failed transfer may spend ABORT_WAIT_S (2 s) retiring its requests, plus scheduling
 
 
-def expected(first_word: np.ndarray, words: int) -> np.ndarray:
-    """The peer's words [first_word[i], first_word[i] + words) for each i, as rows."""
-    return (first_word.astype(np.uint64)[:, None] + np.arange(words, dtype=np.uint64)[None, :]) * K
+class Peer(PatternPeer):
+    """native_peer.py with a ucp context (all transports unless ``tls``); skips where it cannot make one."""
 
-
-class Peer:
     def __init__(self, nbytes: int, tls: str = "") -> None:
         env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), "--bytes", str(nbytes), "--tls", tls],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.info = self._line(30.0)
+        super().__init__(["--bytes", str(nbytes), "--tls", tls], env=env)
         if "error" in self.info:
             self.kill()
             pytest.skip(f"peer: {self.info['error']}")
-        self.pid: int = self.info["pid"]
-        self.base: int = self.info["address"]
         self.rkey = bytes.fromhex(self.info["rkey"])
         self.worker = bytes.fromhex(self.info["worker"])
-
-    def _line(self, timeout: float) -> dict[str, Any]:
-        got: list[str] = []
-        t = threading.Thread(target=lambda: got.append(self.proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
-        t.start()
-        t.join(timeout)
-        if not got or not got[0]:
-            self.kill()
-            raise RuntimeError("native_peer did not answer")
-        return dict(json.loads(got[0])) if got[0].startswith("{") else {"line": got[0].strip()}
 
     def sha(self, offset: int, length: int) -> str:
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"sha {offset} {length}\n")
         self.proc.stdin.flush()
         return str(self._line(10.0)["line"])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
 
 
 PEER_BYTES = 130 * MiB  # 128 MiB to read, then 2 MiB that put() may overwrite
@@ -120,21 +77,6 @@ def tcp() -> Iterator[Any]:
     ctx = ucp.Context(tls="tcp")
     yield ctx
     ctx.close()
-
-
-def scattered(n: int, block: int, blocks: int, seed: int) -> np.ndarray:
-    """n block ids in random order, every eighth followed by its next two blocks (runs to merge)."""
-    ids = np.random.default_rng(seed).permutation(blocks)[:n].astype(np.uint64)
-    for i in range(0, n - 2, 8):
-        ids[i + 1] = min(ids[i] + 1, blocks - 1)
-        ids[i + 2] = min(ids[i] + 2, blocks - 1)
-    return ids
-
-
-def descriptors(base: int, local: np.ndarray, ids: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    remote = np.uint64(base) + ids * np.uint64(block)
-    laddr = np.uint64(local.ctypes.data) + np.arange(len(ids), dtype=np.uint64) * np.uint64(block)
-    return remote, laddr
 
 
 def test_loader_falls_back_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -272,26 +214,6 @@ def test_use_after_context_close(peer: Peer) -> None:
             call()
     ep.close()  # and when these go, deallocation after close must not touch freed ucp objects
     region.close()
-
-
-def read_until_killed(fn: Any, pid: int, delay: float, limit: float) -> tuple[BaseException, float]:
-    """Repeat fn() while the peer is SIGKILLed `delay` s in; the first exception and its time after the kill."""
-    killed: list[float] = []
-
-    def kill() -> None:
-        killed.append(time.monotonic())
-        os.kill(pid, signal.SIGKILL)
-
-    threading.Timer(delay, kill).start()
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - the test asserts the type
-            while not killed:
-                time.sleep(0.01)
-            return e, time.monotonic() - killed[0]
-    raise AssertionError(f"no error within {limit} s of reading from a killed peer")
 
 
 BIG = 256 * MiB
