@@ -48,7 +48,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kw: dict = {}
@@ -102,13 +102,7 @@ def main() -> None:
                     break
                 llm.llm_engine.step()
                 time.sleep(0.01)
-        params = req.get("kv_transfer_params") or published.get(req.get("params_of", req["name"]))
-        if params and req.get("params_patch"):
-            params = {**params, **req["params_patch"]}
-        extra = {"kv_transfer_params": params} if params else None
-        sp = SamplingParams(
-            temperature=0, max_tokens=req.get("max_tokens", 8), ignore_eos=True, detokenize=False, logprobs=1, extra_args=extra
-        )
+        sp = _sampling(req, published)
         before_files, before = _files(spec.get("watch")), totals()
         t = time.perf_counter()
         out = llm.generate([_prompt(req)], sp, use_tqdm=False)[0]
@@ -117,19 +111,8 @@ def main() -> None:
             wait = getattr(worker_conn._worker.side, "wait_idle", None)
             if wait:
                 wait(10.0)
-        comp = out.outputs[0]
-        after = totals()
-        results[req["name"]] = {
-            "tokens": list(comp.token_ids),
-            "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids)],
-            "finish_reason": comp.finish_reason,
-            "num_cached_tokens": out.num_cached_tokens,
-            "kv_transfer_params": out.kv_transfer_params,
-            "wall_s": wall,
-            "files": sorted(_files(spec.get("watch")) - before_files),
-            "worker": _diff(after["worker"], before["worker"]),
-            "scheduler": _diff(after["scheduler"], before["scheduler"]),
-        }
+        results[req["name"]] = {**_outcome(out, wall, before, totals()),
+                                "files": sorted(_files(spec.get("watch")) - before_files)}
         if req["name"] in spec.get("corrupt_held", ()):
             _corrupt_held(worker_conn, out.kv_transfer_params)
 
@@ -158,6 +141,22 @@ def _sampling(req: dict, published: dict):
                           logprobs=1, extra_args=extra)
 
 
+def _outcome(out, wall: float, before: dict, after: dict) -> dict:
+    """What a test reads of one finished request: its tokens and logprobs, what vLLM says it loaded, and the
+    connector's counters over its ``generate`` call."""
+    comp = out.outputs[0]
+    return {
+        "tokens": list(comp.token_ids),
+        "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids)],
+        "finish_reason": comp.finish_reason,
+        "num_cached_tokens": out.num_cached_tokens,
+        "kv_transfer_params": out.kv_transfer_params,
+        "wall_s": wall,
+        "worker": _diff(after["worker"], before["worker"]),
+        "scheduler": _diff(after["scheduler"], before["scheduler"]),
+    }
+
+
 def _prompt(req: dict) -> dict:
     return {"prompt": req["prompt"]} if isinstance(req["prompt"], str) else {"prompt_token_ids": req["prompt"]}
 
@@ -177,18 +176,8 @@ def _groups(llm, spec: dict, worker_conn, totals) -> dict:
             worker_conn._worker.side.wait_idle(10.0)
         after = totals()
         for req, out in zip(reqs, outs):
-            comp = out.outputs[0]
-            results[req["name"]] = {
-                "tokens": list(comp.token_ids),
-                "logprobs": [lp[t].logprob for lp, t in zip(comp.logprobs or [], comp.token_ids)],
-                "finish_reason": comp.finish_reason,
-                "num_cached_tokens": out.num_cached_tokens,
-                "kv_transfer_params": out.kv_transfer_params,
-                "wall_s": wall,
-                "ttft_s": getattr(out.metrics, "first_token_latency", None),  # with llm_args disable_log_stats=False
-                "worker": _diff(after["worker"], before["worker"]),
-                "scheduler": _diff(after["scheduler"], before["scheduler"]),
-            }
+            results[req["name"]] = {**_outcome(out, wall, before, after),
+                                    "ttft_s": getattr(out.metrics, "first_token_latency", None)}  # with disable_log_stats=False
     return results
 
 
