@@ -27,7 +27,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "vllm"))  # pdkit
 
 from pdkit import engine_env, make_tiny_llama  # noqa: E402
-from test_api_server import call, free_port, stop_all, text_of, wait_healthy  # noqa: E402
+from test_api_server import free_port, stop_all, wait_healthy  # noqa: E402
+from tier_routing_bench import _ask, _series  # noqa: E402 - the same two probes of an engine
 
 BLOCK_BYTES = 65536  # the tiny model's KV of one 32-token block
 
@@ -60,26 +61,6 @@ def _router(model: Path, tmp: Path, policy: str, engines: list[tuple[int, int]],
         cmd += ["--kv-event-block-size", "32", "--kv-event-model", str(model)]
     log = tmp / f"router-{policy}.log"
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True), log, port
-
-
-def _series(port: int) -> tuple[float, float]:
-    _, data = call(port, "GET", "/metrics")
-    loads = gpu = 0.0
-    for line in data.decode().splitlines():
-        if line.startswith("kvbridge_transfers_total{") and 'direction="load"' in line:
-            loads += float(line.split()[-1])
-        if line.startswith("vllm:prefix_cache_hits_total{"):
-            gpu += float(line.split()[-1])
-    return loads, gpu
-
-
-def _ask(port: int, prompt: list[int]) -> tuple[int, float]:
-    body = {"model": "tiny", "prompt": text_of(prompt), "max_tokens": 1, "temperature": 0, "ignore_eos": True}
-    t = time.perf_counter()
-    status, data = call(port, "POST", "/v1/completions", body, timeout=300)
-    took = time.perf_counter() - t
-    assert status == 200, data[:500]
-    return int((json.loads(data)["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0), took
 
 
 def main() -> None:

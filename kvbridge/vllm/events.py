@@ -114,6 +114,8 @@ class TierEvents:
             budget -= len(p.keys)
             done = True
             for t, tier in enumerate(self.tiers):
+                if len(p.seen[t]) == len(p.keys):
+                    continue  # this tier holds them all already: asking again (a stat each, for fs) finds nothing new
                 answer = _asking(tier.members)(p.keys)
                 held = set(answer or ()) - p.seen[t]
                 if held:

@@ -6,8 +6,9 @@ real metadata server's; a real engine behind a real proxy is in ``test_routing.p
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace as NS
 from typing import Any
 
@@ -64,8 +65,11 @@ def test_publishing_options_are_checked_on_every_role(vl: Any, extra: dict, mess
             vl.c.KVBridgeConnector(config(vl, "kv_both", {"backend": "memory", "name": "x", **extra}), role, KV_CACHE_CONFIG)
 
 
-def test_vllms_kv_events_are_followed_block_by_block(directory: str) -> None:
-    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+@contextlib.contextmanager
+def _vllm_feed(directory: str) -> Iterator[tuple[Holdings, Callable[..., None]]]:
+    """A :class:`KVEventFeed` on vLLM's own ZMQ publisher, publishing into ``directory`` as ``http://e:1``:
+    its holdings, and ``send(*events)``, which returns once the feed has heard them."""
+    from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
 
     from kvbridge.serving.publishing import KVEventFeed
 
@@ -73,8 +77,6 @@ def test_vllms_kv_events_are_followed_block_by_block(directory: str) -> None:
     publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", topic="kv")
     holdings = Holdings(open_directory(directory), "http://e:1", address="http://e:1", ttl_s=10)
     feed = KVEventFeed(f"tcp://127.0.0.1:{port}", "kv", holdings, "tiny")
-    tokens = list(range(500, 500 + 32 * 4))
-    keys = route_keys(tokens, "tiny")
 
     def send(*events: Any) -> None:
         before = feed.seen
@@ -84,12 +86,26 @@ def test_vllms_kv_events_are_followed_block_by_block(directory: str) -> None:
                 return
         raise AssertionError("the subscriber never heard vLLM's publisher")
 
+    try:
+        yield holdings, send
+    finally:
+        feed.close()
+        holdings.close()
+        publisher.shutdown()
+
+
+def test_vllms_kv_events_are_followed_block_by_block(directory: str) -> None:
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    tokens = list(range(500, 500 + 32 * 4))
+    keys = route_keys(tokens, "tiny")
+
     def stored(hashes: list[int], parent: int | None, first: int, salt: str | None = None) -> BlockStored:
         extra = [("s1",) if salt else None for _ in hashes]
         return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens[first * 32 : (first + len(hashes)) * 32],
                            block_size=32, lora_id=None, medium="GPU", lora_name=None, extra_keys=extra)  # fmt: skip
 
-    try:
+    with _vllm_feed(directory) as (holdings, send):
         send(stored([11, 12], None, 0))  # two blocks, then a child of the second
         send(stored([13], 12, 2))
         assert eventually(lambda: held_depth(open_directory(directory), "http://e:1", keys) == 6)
@@ -102,10 +118,6 @@ def test_vllms_kv_events_are_followed_block_by_block(directory: str) -> None:
         send(AllBlocksCleared())
         assert eventually(lambda: held_depth(open_directory(directory), "http://e:1", keys) == 0)
         assert holdings.held() == []
-    finally:
-        feed.close()
-        holdings.close()
-        publisher.shutdown()
 
 
 def test_kvbridge_publish_follows_an_engine_from_beside_it(directory: str) -> None:
@@ -156,24 +168,10 @@ def test_a_block_stays_published_while_any_medium_holds_it(directory: str) -> No
     """vLLM's GPU prefix cache and a kvbridge tier publish the same block under their own media (and vLLM
     names its KV-cache group where kvbridge's tier events name none): the GPU evicting it takes nothing back
     while the CPU tier holds it, and a removal from the CPU tier unpublishes only once no medium holds it."""
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    from kvbridge.serving.publishing import KVEventFeed
-
-    port = free_port()
-    publisher = ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", topic="kv")
-    holdings = Holdings(open_directory(directory), "http://e:1", address="http://e:1", ttl_s=10)
-    feed = KVEventFeed(f"tcp://127.0.0.1:{port}", "kv", holdings, "tiny")
     tokens = list(range(700, 700 + 32 * 2))
     keys = route_keys(tokens, "tiny")
-
-    def send(*events: Any) -> None:
-        before = feed.seen
-        for _ in range(100):  # a SUB socket joins a moment after it connects: resend until it is heard
-            publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
-            if eventually(lambda: feed.seen > before, 0.1):
-                return
-        raise AssertionError("the subscriber never heard vLLM's publisher")
 
     def stored(medium: str, group: int | None) -> BlockStored:
         return BlockStored(block_hashes=[21, 22], parent_block_hash=None, token_ids=tokens, block_size=32, lora_id=None,
@@ -182,7 +180,7 @@ def test_a_block_stays_published_while_any_medium_holds_it(directory: str) -> No
     def depth() -> int:
         return held_depth(open_directory(directory), "http://e:1", keys)
 
-    try:
+    with _vllm_feed(directory) as (holdings, send):
         for group in (0, None):  # the same group for both media, then vLLM's group 0 beside a tier's none
             send(stored("GPU", 0), stored("CPU", group))
             assert eventually(lambda: depth() == 4)
@@ -199,7 +197,3 @@ def test_a_block_stays_published_while_any_medium_holds_it(directory: str) -> No
             assert depth() == 4, "held by the GPU again"
             send(BlockRemoved(block_hashes=[21, 22], medium="GPU", group_idx=0))
             assert eventually(lambda: depth() == 0) and holdings.held() == []
-    finally:
-        feed.close()
-        holdings.close()
-        publisher.shutdown()
