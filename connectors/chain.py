@@ -208,6 +208,11 @@ class ChainIndex(_Tiers[StoreIndex], StoreIndex):
             self._call(t, "release", tier.release, request_id, failed)
 
 
+def _chain_load(op: BlockLoad) -> ChainLoad:
+    """``op``'s plan across the tiers (a load the scheduler side planned none for: the empty plan)."""
+    return op.source if isinstance(op.source, ChainLoad) else ChainLoad()
+
+
 def _picked(op: BlockLoad | BlockSave, positions: Sequence[int]) -> tuple[tuple[int, ...], tuple[bytes, ...]]:
     """The block ids and keys of ``op`` at ``positions``: ``op``'s own where that is all of them, in order
     (a tier that serves or stores the whole request, the common case, costs no loop)."""
@@ -224,7 +229,7 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
         _Tiers.__init__(self, tiers, names)
 
     def load(self, op: BlockLoad, layout: KVLayout) -> Sequence[int]:
-        source = op.source if isinstance(op.source, ChainLoad) else ChainLoad()
+        source = _chain_load(op)
         return self._load_from(op, layout, source.tiers, set(range(len(op.block_ids))))
 
     def _load_from(self, op: BlockLoad, layout: KVLayout, shares: Sequence[TierShare], need: set[int]) -> list[int]:
@@ -253,7 +258,7 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
         stats once over. The blocks it fails are asked of the next tiers on the IO thread, as :meth:`load`
         asks them: a :class:`~kvbridge.transfer.Fallback` the core starts. The worker promotes what arrived
         once the load is reported. ``None`` (the IO thread loads it) otherwise."""
-        source = op.source if isinstance(op.source, ChainLoad) else ChainLoad()
+        source = _chain_load(op)
         if not source.tiers or list(source.tiers[0][1]) != list(range(len(op.block_ids))):
             return None
         t, _, tier_source = source.tiers[0]
@@ -284,7 +289,7 @@ class ChainIO(_Tiers[StoreIO], StoreIO):
 
     def write_back(self, op: BlockLoad, layout: KVLayout, failed: Sequence[int]) -> None:
         """Promote what a slower tier served into the faster ones (the load was reported already)."""
-        source = op.source if isinstance(op.source, ChainLoad) else ChainLoad()
+        source = _chain_load(op)
         lost = set(failed)
         slot_bytes = layout.num_layers * layout.block_bytes
         for f, positions, target in source.promote:

@@ -109,7 +109,7 @@ class LoadBook:
             op = self._in_flight.pop(rid, None)
             if op is None:
                 continue
-            failed = frozenset(b for b in op.block_ids if b in report.failed_blocks)
+            failed = report.failed_blocks.intersection(op.block_ids)
             if rid in self._ended:  # its request is gone: nothing to guard (a new one may reuse the id)
                 self._ended.discard(rid)
             elif failed:

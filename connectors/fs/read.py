@@ -33,6 +33,16 @@ def _runs(reads: Sequence[Located]) -> list[tuple[int, int, int]]:
     return [(r.fd, r.chunk.offset(r.first), r.count) for r in reads]
 
 
+def _positions(reads: Sequence[Located]) -> list[tuple[Located, int]]:
+    """Each located block, in load order: its object and its position there."""
+    return [(r, r.first + t) for r in reads for t in range(r.count)]
+
+
+def _leading(outcomes: Sequence[object], n: int) -> int:
+    """How many of ``outcomes`` (a block each), from the first, are ``True``."""
+    return next((i for i, ok in enumerate(outcomes) if ok is not True), n)
+
+
 def _close(reads: Sequence[Located]) -> None:
     for r in reads:
         os.close(r.fd)
@@ -172,7 +182,7 @@ class Reader:
         else each through a thread's buffer, then into the KV's views or, where it has none, into staging
         scattered once (``BUFFERED``); how many from the first arrived."""
         assert blocks is not None or not in_place
-        where = [(r, r.first + t) for r in reads for t in range(r.count)]
+        where = _positions(reads)
         failed = [covered]  # a block that failed: those after it need not be read (a hint; see below)
         staging = None if blocks is not None else self.staging.take(layout, covered)
         try:
@@ -198,7 +208,7 @@ class Reader:
                 return True
 
             outcomes = self.threads.map(covered, place)
-            good = next((i for i, ok in enumerate(outcomes) if ok is not True), covered)
+            good = _leading(outcomes, covered)
             if good < covered:
                 r = where[good][0]
                 bad = outcomes[good]
@@ -238,7 +248,7 @@ class Reader:
     def _cut_blocks(self, reads: list[Located], theirs: LayoutFingerprint, dest: np.ndarray, cut: Any, n: int) -> int:
         """Read the first ``n`` located blocks (of layout ``theirs``), placing bytes ``cut`` of each in
         ``dest``; how many from the first passed their checks."""
-        where = [(r, r.first + t) for r in reads for t in range(r.count)][:n]
+        where = _positions(reads)[:n]
 
         def place(i: int) -> bool:
             r, pos = where[i]
@@ -251,7 +261,7 @@ class Reader:
             return True
 
         outcomes = self.threads.map(n, place)
-        return next((i for i, ok in enumerate(outcomes) if not ok), n)
+        return _leading(outcomes, n)
 
     # -- blocks --------------------------------------------------------------------------------------
     def check(self, reads: list[Located], covered: int, sums: bytes, whole: int, err: int) -> int:

@@ -447,10 +447,5 @@ class LMCacheStore(Side, StoreIO):
 
 def _runs(plan: Sequence[_Want]) -> Iterator[tuple[str, list[_Want]]]:
     """``plan`` cut into runs of consecutive objects in the same tier."""
-    i = 0
-    while i < len(plan):
-        j = i + 1
-        while j < len(plan) and plan[j].tier == plan[i].tier:
-            j += 1
-        yield plan[i].tier, list(plan[i:j])
-        i = j
+    for tier, run in itertools.groupby(plan, key=lambda want: want.tier):
+        yield tier, list(run)
