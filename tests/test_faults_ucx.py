@@ -18,11 +18,11 @@ with ``timeout_s`` = 2 s.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -48,6 +48,18 @@ from kvbridge.metadata.types import PeerInfo  # noqa: E402
 from kvbridge.testing import MiniEngine  # noqa: E402
 
 HELPER = Path(__file__).parent / "helpers" / "ucx_fault_peer.py"
+
+
+def _load_hostpeer() -> Any:
+    # by file path: putting tests/ on sys.path would make tests/vllm look like an installed vLLM
+    spec = importlib.util.spec_from_file_location("kvbridge_tests_hostpeer", HELPER.with_name("hostpeer.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_hostpeer = _load_hostpeer()  # its JsonLines reads a peer's answers
 GEOMETRY: dict[str, Any] = {"num_layers": 4, "num_kv_heads": 4, "head_size": 64, "block_size": 16, "dtype": torch.bfloat16}
 BLOCK_BYTES = 4 * 4 * 16 * 2 * 64 * 2  # 64 KiB per block, all layers
 TIMEOUT_S = 2.0  # the consumer's timeout_s: a transfer step without progress this long fails
@@ -71,29 +83,11 @@ class Peer:
         self._stderr = open(out / "stderr.log", "w")  # noqa: SIM115 - closed in close()/kill()
         self.proc = subprocess.Popen([sys.executable, str(HELPER), role, str(out), *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._stderr, env=env, text=True)
-        self._lines: queue.Queue[str] = queue.Queue()
-        self.ucx_log: list[str] = []
-        self._reader = threading.Thread(target=self._pump_lines, name=f"peer-reader-{self.proc.pid}", daemon=True)
-        self._reader.start()
+        self._lines = _hostpeer.JsonLines(self.proc, f"peer {self.proc.pid}", (self.out / "stderr.log").read_text)
         assert self._read(60)["ready"]
 
-    def _pump_lines(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put("")
-
     def _read(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"peer {self.proc.pid} did not answer within {timeout}s") from None
-            assert line, f"peer exited (rc {self.proc.poll()}): {(self.out / 'stderr.log').read_text()[-2000:]}"
-            if line.startswith("{"):  # UCX writes its own log lines to stdout too
-                return dict(json.loads(line))
-            self.ucx_log.append(line)
+        return self._lines.read(timeout)
 
     def ask(self, timeout: float = 30.0, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -116,7 +110,7 @@ class Peer:
         return time.monotonic() - t0
 
     def _reap(self) -> None:
-        self._reader.join(10)
+        self._lines.thread.join(10)
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         if self.proc.stdout is not None:

@@ -220,15 +220,15 @@ class Puller:
         except Exception:  # noqa: BLE001 - the usual path meets the same failure and reports it
             return None
         self.stats.add(started_loads=1)
-        read = Started(op, running, functools.partial(self._started_sealed, address, op, src, running, t0))
+        read = Started(op, running, functools.partial(self._started_sealed, address, peer.source.lane, op, src, running, t0))
         return Fallback(read, functools.partial(self._started_rest, address, peer, op, src, t0))
 
-    def _started_sealed(self, address: str, op: BlockLoad, src: UcxSource, running: Any, t0: float) -> set[int]:
+    def _started_sealed(self, address: str, lane: str, op: BlockLoad, src: UcxSource, running: Any, t0: float) -> set[int]:
         """A started read is over (on the thread that polls): its blocks count if the seal word read after it
         is the hand-off's; else none counts yet (:meth:`_started_rest` settles it). Raises if the read failed."""
         _, word = running.result()
         if word and word == src.seal[1]:
-            return self._sealed_read(address, op, src, t0)
+            return self._sealed_read(address, lane, op, src, t0)
         return set(op.block_ids)
 
     def _started_rest(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, t0: float, read: Transfer) -> set[int]:
@@ -253,14 +253,13 @@ class Puller:
         except Exception as exc:  # noqa: BLE001 - nothing counts; the producer frees its blocks
             return self._read_failed(address, op, src, peer, exc)
         if (word == src.seal[1] != 0) or (word < 0 and onesided.sealed(peer.source, src.seal, self.options.timeout_s)):
-            return self._sealed_read(address, op, src, t0)
+            return self._sealed_read(address, peer.source.lane, op, src, t0)
         return self._confirm(address, peer, op, src, t0)
 
-    def _sealed_read(self, address: str, op: BlockLoad, src: UcxSource, t0: float) -> set[int]:
-        """The seal says the producer held the blocks throughout: they count now, and the release goes
-        out once the engine has taken the report (:meth:`release_reported`)."""
-        peer = self._peers.get(address)
-        self._count(op, t0, sealed=True, lane=peer.source.lane if peer is not None and peer.source is not None else "")
+    def _sealed_read(self, address: str, lane: str, op: BlockLoad, src: UcxSource, t0: float) -> set[int]:
+        """The seal says the producer held the blocks throughout (read over ``lane``): they count now, and
+        the release goes out once the engine has taken the report (:meth:`release_reported`)."""
+        self._count(op, t0, sealed=True, lane=lane)
         with self._lock:
             self._sealed.append((address, src))
         return set()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,35 @@ from kvbridge.testing.hosts import Host
 
 HELPER = Path(__file__).with_name("ucx_fault_peer.py")
 BLOCK_TOKENS = 16
+
+
+class JsonLines:
+    """The JSON lines a peer process writes to stdout, pumped by a thread; :meth:`read` returns the next one
+    (skipping the lines UCX writes there itself) and fails, naming ``who``, when the peer is silent or gone
+    (with the tail of ``log()``, its stderr). Shared with tests/test_faults_ucx.py's local peers."""
+
+    def __init__(self, proc: subprocess.Popen[str], who: str, log: Callable[[], str]):
+        self.proc, self.who, self._log = proc, who, log
+        self._lines: queue.Queue[str] = queue.Queue()
+        self.thread = threading.Thread(target=self._pump, name=f"peer-reader-{proc.pid}", daemon=True)
+        self.thread.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{self.who} did not answer within {timeout}s") from None
+            assert line, f"{self.who} exited ({self.proc.poll()}): {self._log()[-3000:]}"
+            if line.startswith("{"):  # UCX may write its own lines to stdout
+                return dict(json.loads(line))
 
 
 class HostPeer:
@@ -31,27 +61,11 @@ class HostPeer:
         self._stderr = open(out / "stderr.log", "w")  # noqa: SIM115 - closed in close()
         self.proc = host.popen([sys.executable, str(HELPER), role, str(out), *args], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env)
-        self._lines: queue.Queue[str] = queue.Queue()
-        self._reader = threading.Thread(target=self._pump, name=f"hostpeer-{role}", daemon=True)
-        self._reader.start()
+        self._lines = JsonLines(self.proc, f"peer on {host.hostname}", self.log)
         self.ready = self._read(60)
 
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put("")
-
     def _read(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"peer on {self.host.hostname} did not answer within {timeout}s") from None
-            assert line, f"peer on {self.host.hostname} exited ({self.proc.poll()}): {self.log()[-3000:]}"
-            if line.startswith("{"):  # UCX may write its own lines to stdout
-                return dict(json.loads(line))
+        return self._lines.read(timeout)
 
     def log(self) -> str:
         self._stderr.flush()
@@ -84,7 +98,7 @@ class HostPeer:
             except (AssertionError, OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(10)
-        self._reader.join(10)
+        self._lines.thread.join(10)
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 try:
@@ -99,4 +113,4 @@ def full_blocks(tokens: int) -> int:
     return tokens // BLOCK_TOKENS
 
 
-__all__ = ["BLOCK_TOKENS", "HELPER", "HostPeer", "full_blocks"]
+__all__ = ["BLOCK_TOKENS", "HELPER", "HostPeer", "JsonLines", "full_blocks"]
