@@ -119,11 +119,12 @@ class UcxStats(TransferStats):
     resliced_loads: int = 0  # consumer: loads cut out of a producer of another tensor-parallel size
     started_loads: int = 0  # consumer: cma reads started from the engine's step on a native thread (Puller.start)
     lane_cma_loads: int = 0  # consumer: loads counted, by the lane that read them (the ucp lanes together)
+    lane_tcp_loads: int = 0
     lane_ucp_loads: int = 0
     lane_two_sided_loads: int = 0
 
 
-LANE_COUNTERS = {"cma": "lane_cma_loads", "ucp": "lane_ucp_loads", "ucp-unsafe": "lane_ucp_loads",
+LANE_COUNTERS = {"cma": "lane_cma_loads", "tcp": "lane_tcp_loads", "ucp": "lane_ucp_loads", "ucp-unsafe": "lane_ucp_loads",
                  "two-sided": "lane_two_sided_loads"}  # a lane -> its UcxStats counter
 
 

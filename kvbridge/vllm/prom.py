@@ -17,7 +17,7 @@ interval. Every series carries vLLM's own labels (``model_name``, ``engine``) an
 - ``kvbridge_handoffs_total`` {outcome}: ucx hand-offs ``refused`` by a consumer (expired, malformed,
   altered params), ``unpulled`` (released unread), ``expired`` (a producer's lease ran out), ``served``
   (pulls a producer served), ``refused_pull`` (pulls it refused);
-- ``kvbridge_loads_by_lane_total`` {lane}: ucx loads by the lane that read them (cma, ucp, two-sided),
+- ``kvbridge_loads_by_lane_total`` {lane}: ucx loads by the lane that read them (cma, tcp, ucp, two-sided),
   and ``kvbridge_lane_info`` {lane}: the configured lane (``auto`` picks per producer);
 - ``kvbridge_other_total`` {counter}: every other counter a backend keeps (evictions, corrupt objects,
   promoted blocks, sealed loads, ...), under its own name.
@@ -41,7 +41,7 @@ _TRANSFER = {  # stats counter -> (series, direction)
 }  # fmt: skip
 _HANDOFFS = {"refused_handoffs": "refused", "unpulled_handoffs": "unpulled", "expired_leases": "expired",
              "served_pulls": "served", "refused_pulls": "refused_pull"}  # fmt: skip
-_LANES = {"lane_cma_loads": "cma", "lane_ucp_loads": "ucp", "lane_two_sided_loads": "two-sided"}
+_LANES = {"lane_cma_loads": "cma", "lane_tcp_loads": "tcp", "lane_ucp_loads": "ucp", "lane_two_sided_loads": "two-sided"}
 _SECONDS = {"load_seconds", "save_seconds"}
 
 
