@@ -111,6 +111,8 @@ class HostsBench:
         and a line per row left out, saying why. A row asked for by name that the file lacks, or that has no
         hand-off at one of the links, is a ConfigError saying what the file has."""
         measured = [r for r in self.rows if any(row == r for row, _ in self.fits)]
+        chosen: list[str] = []
+        skipped: list[str] = []
         if rows:
             unknown = [r for r in rows if r not in self.rows]
             if unknown:
@@ -121,9 +123,8 @@ class HostsBench:
                     why = self.why_not(r, link)
                     if why:
                         raise ConfigError(f"--bench-backend {r} at {link}: {why}")
-            chosen, skipped = list(rows), []
+            chosen = list(rows)
         else:
-            chosen, skipped = [], []
             for r in self.rows:
                 why = next((f"{link}: {w}" for link in links if (w := self.why_not(r, link))), "")
                 if why:
