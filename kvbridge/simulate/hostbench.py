@@ -221,7 +221,7 @@ def answer_table(rows: Sequence[dict[str, Any]], rate: float) -> str:
     swept = "goodput_rps" in rows[0]
     r0 = rows[0]
     head = (f"Does P/D pay? Each disaggregated layout against {r0['against']}, the better colocated layout (SLO met "
-            f"{r0['against_slo_attainment']:.0%} at {rate:g} req/s, TTFT mean {r0['against_ttft_mean_ms']:.0f} ms, "
+            f"{r0['against_slo_attainment']:.0%} at {rate:.3g} req/s, TTFT mean {r0['against_ttft_mean_ms']:.0f} ms, "
             f"ITL p99.9 {r0['against_itl_p999_ms']:.0f} ms" + (f", goodput {r0['against_goodput_rps']:g}/s" if swept
             else "") + "). " + ("The higher goodput decides. " if swept else "yes/no: the 95% intervals of SLO met "
             "do not overlap; unclear: they do. ") + "Hand-off basis: measured = fitted to the bench's runs at that "
