@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="two pods on one node (one network, own pid and IPC namespaces) instead of two hosts; no caps")
     ap.add_argument("--reps", type=int, default=3, help="timed transfers per row and round (after one warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, rows rotated between them")
-    ap.add_argument("--json", metavar="PATH", help="also write the records as JSON")
+    ap.add_argument("--json", metavar="PATH", help="also write the records as JSON (the input of kvbridge simulate --from-bench)")
     args = ap.parse_args(argv)
     why = unavailable()
     if why:
@@ -232,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ucx_env": ucx_env, "records": records}, f, indent=1)
+        print(f"wrote {args.json} (kvbridge simulate --from-bench {args.json}: does P/D pay at 10/25/100 GbE)")
     return 0
 
 

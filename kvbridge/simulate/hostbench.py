@@ -123,7 +123,7 @@ class HostsBench:
                     why = self.why_not(r, link)
                     if why:
                         raise ConfigError(f"--bench-backend {r} at {link}: {why}")
-            chosen = list(rows)
+            chosen = list(dict.fromkeys(rows))
         else:
             for r in self.rows:
                 why = next((f"{link}: {w}" for link in links if (w := self.why_not(r, link))), "")
@@ -134,7 +134,7 @@ class HostsBench:
             if not chosen:
                 raise ConfigError(f"{self.path}: no row has a hand-off at every link of {','.join(links)} "
                                   f"({'; '.join(skipped)})")  # fmt: skip
-        return [FREE, *(self.handoff(r, link) for link in links for r in chosen)], skipped
+        return [FREE, *(self.handoff(r, link) for link in dict.fromkeys(links) for r in chosen)], skipped
 
 
 def hosts_bench(path: str, doc: Any) -> HostsBench:
