@@ -125,6 +125,14 @@ def test_measured_links_and_derived_ones(tmp_path: Path) -> None:
     assert got[0].basis == "bound" and got[0].fixed_ms == 0 and math.isinf(got[0].gbps)
 
 
+def test_an_uncapped_run_slower_than_a_capped_one_is_flagged(tmp_path: Path) -> None:
+    hosts = _hosts(_write(tmp_path, _line("none", "kvbridge", 1.0, 0.7) + _line("10gbit", "kvbridge", 1.0, 1.1)))
+    got, notes = hosts.handoffs(["kvbridge"], ["10gbit", "100gbit"])
+    assert got[2].basis == "derived" and got[2].gbps < got[1].gbps  # the derived link rests on the slower run
+    assert len(notes) == 1 and "1.09 GB/s capped at 10gbit but only 0.70 uncapped" in notes[0] and "noisy" in notes[0]
+    assert hosts.handoffs(["kvbridge"], ["10gbit", "none"])[1] == []  # nothing derived, nothing to flag
+
+
 def test_rows_left_out_by_default_and_refused_by_name(tmp_path: Path) -> None:
     records = _line("none", "kvbridge", 1.0, 4.0) + _line("10gbit", "kvbridge", 1.0, 1.1)
     records += [_rec(c, t, "nixl", [], "not measured: nixl: not installed") for c in ("none", "10gbit") for t in TOKENS]
