@@ -4,7 +4,8 @@
 reproducing its table; the default is an engine model (kvbridge/simulate/model.py): continuous batching, decode
 steps costing a fixed + per-sequence + per-context-token time, prefill a time per token, a KV capacity, chunked
 prefill, xP:yD pools and the KV hand-off measured by ``kvbridge bench --json`` (``--from-bench``) over a link
-shared by the transfers in flight. Every figure is a median over ``--seeds`` runs with a 95% interval;
+shared by the transfers in flight; from ``kvbridge bench hosts --json``, per row and link (measured, or
+derived for a link the bench did not run: kvbridge/simulate/hostbench.py), with the answer "does P/D pay". Every figure is a median over ``--seeds`` runs with a 95% interval;
 ``--sweep-rate`` finds each layout's goodput (the highest rate at which 90% of requests meet the TTFT and TPOT
 targets); ``--json`` and ``--plot`` write them.
 """
