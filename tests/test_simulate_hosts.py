@@ -1,7 +1,7 @@
 """kvbridge simulate --from-bench with a ``kvbridge bench hosts --json`` file: the records parsed (a real run's
 file, tests/data/bench_hosts.json, and records written the way bench/hosts.py writes them), the fit per row
 and cap, measured vs derived hand-offs per link, the answer "does P/D pay", and a one-line error for each bad
-input."""
+input. As root, a fresh bench hosts run's records read back (skips, saying why, elsewhere)."""
 
 from __future__ import annotations
 
@@ -236,3 +236,21 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, tmp_path, capsys) -> None:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvbridge simulate: error:"), err
     assert says in lines[0] and "Traceback" not in err
+
+
+def test_what_bench_hosts_writes_is_what_simulate_reads(tmp_path: Path) -> None:
+    pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
+    from kvbridge.bench import hosts as bench_hosts
+    from kvbridge.testing.hosts import unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    records = bench_hosts.run([32, 8], ["none"], ["kvbridge", "tcp:1"], reps=1, rounds=1, shape="tiny")
+    hosts = _hosts(_write(tmp_path, records))  # as kvbridge bench hosts --json writes them
+    assert hosts.rows == ("kvbridge", "tcp:1") and hosts.caps == ("none",)
+    for row in hosts.rows:
+        fit = hosts.fits[(row, "none")]
+        assert fit.sizes == 2 and fit.best_gbps == pytest.approx(max(r["gbps"] for r in records if r["row"] == row))
+    assert hosts.handoff("kvbridge", "none").basis == "measured"
+    assert hosts.handoff("kvbridge", "100gbit").basis == "derived"

@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="two pods on one node (one network, own pid and IPC namespaces) instead of two hosts; no caps")
     ap.add_argument("--reps", type=int, default=3, help="timed transfers per row and round (after one warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, rows rotated between them")
-    ap.add_argument("--json", metavar="PATH", help="also write the records as JSON (the input of kvbridge simulate --from-bench)")
+    ap.add_argument("--json", metavar="PATH", help="also write the records as JSON")
     args = ap.parse_args(argv)
     why = unavailable()
     if why:
