@@ -26,7 +26,7 @@ if [[ $parts == *" hosts "* ]]; then
   fi
 fi
 # kvbridge's lane against plain TCP, NIXL and Mooncake: those of them the hosts run measured
-hosts_rows=kvbridge,tcp:4,nixl,mooncake
+hosts_rows=kvbridge,tcp:4,ctcp:4,nixl,mooncake  # ctcp:4: plain TCP in C, where the bench has it
 if [[ -f hosts.json ]]; then
   hosts_rows=$(python3 -c 'import json, sys; got = {r["row"] for r in json.load(open("hosts.json"))["records"]
 if r.get("samples")}; print(",".join(r for r in sys.argv[1].split(",") if r in got))' "$hosts_rows")
