@@ -37,7 +37,7 @@ fi
     kvbridge simulate --from-bench bench.json --bench-backend cpu,fs,ucx --seeds 10
     echo
   fi
-  if [[ -f hosts.json ]]; then
+  if [[ -f hosts.json && -n $hosts_rows ]]; then
     for tpot in 15 10; do
       echo "\$ kvbridge simulate --from-bench hosts.json --bench-backend $hosts_rows --links 10gbit,25gbit,100gbit" \
         "--seeds 10 --sweep-rate 0.5:3:0.5 --slo-tpot-ms $tpot"
