@@ -85,6 +85,8 @@ class Soak:
         self.rounds: list[dict[str, Any]] = []
         self.stop = threading.Event()
         self.last_fault_end = 0.0
+        self.deadline = 0.0  # monotonic; a fault that ends late pushes it back (the quiet tail stays)
+        self.life_up: dict[int, float] = {}  # producer life -> when it was healthy
 
     def now(self) -> float:
         return round(time.monotonic() - self.t0, 1)
@@ -130,10 +132,10 @@ class Soak:
             self.samples.append(row)
             self.stop.wait(self.args.sample_s)
 
-    def client(self, deadline: float) -> None:
+    def client(self) -> None:
         rate, i = 0.0, 0
-        while time.monotonic() < deadline and not self.stop.is_set():
-            left = deadline - time.monotonic()
+        while time.monotonic() < self.deadline and not self.stop.is_set():
+            left = self.deadline - time.monotonic()
             n = self.args.concurrency * 6 if not rate else max(self.args.concurrency * 2, int(rate * min(120.0, left)))
             log = self.work / f"bench-{i}.log"
             cmd = [sys.executable, str(VLLM_TESTS / "helpers" / "bench_client.py"), "--backend", "vllm",
@@ -167,6 +169,7 @@ class Soak:
             self.a.boot()
             self.lay.restart("prefill")
             rec["restart_s"] = round(self.lay.wait_up(["prefill"]), 1)
+            self.life_up[self.lay.lives["prefill"]] = self.now()
             self.say(f"host A booted, producer restarted and healthy in {rec['restart_s']} s")
         elif kind == "link":
             self.a.link_down()
@@ -186,6 +189,7 @@ class Soak:
         rec["end"] = self.now()
         self.last_fault_end = rec["end"]
         self.faults.append(rec)
+        self.deadline = max(self.deadline, time.monotonic() + self.args.quiet_s)
 
     # ---- the run -----------------------------------------------------------------------------------------
     def run(self, seconds: float) -> dict[str, Any]:
@@ -197,16 +201,21 @@ class Soak:
         self.say(f"fault plan: {plan}")
         before = {"proxy": self.metrics("proxy"), "decode": self.metrics("decode")}
         self.t0 = time.monotonic()
-        deadline = self.t0 + seconds
+        self.deadline = self.t0 + seconds
+        self.life_up[1] = 0.0
         checker = Checker(self.c, PORTS["proxy"], prompts, reference, CHECK_TOKENS, self.t0)
         threads = [threading.Thread(target=self.sampler, daemon=True), checker,
-                   threading.Thread(target=self.client, args=(deadline,), daemon=True)]  # fmt: skip
+                   threading.Thread(target=self.client, daemon=True)]  # fmt: skip
         for t in threads:
             t.start()
         for f in plan:
             time.sleep(max(0.0, self.t0 + f["at"] - time.monotonic()))
+            if time.monotonic() > self.t0 + seconds - self.args.quiet_s:
+                self.say(f"fault {f} skipped: an earlier one ran into the quiet tail")
+                continue
             self.fault(f)
-        time.sleep(max(0.0, deadline - time.monotonic()))
+        while time.monotonic() < self.deadline:
+            time.sleep(max(0.0, self.deadline - time.monotonic()))
         threads[2].join(timeout=900)  # the client's last round ends by itself
         checker.stop.set()
         checker.join(timeout=180)
@@ -224,13 +233,15 @@ class Soak:
             lives = sorted({s["producer_life"] for s in warm}) if role == "prefill" else [None]
             for life in lives:
                 pts = [(s["t"], s[role]) for s in warm if s.get(role) and (life is None or s["producer_life"] == life)]
-                if role == "prefill":
-                    pts = [p for p in pts if p[0] >= min(t for t, _ in pts) + self.args.warmup_s] or pts
+                if life is not None:  # a restarted producer: judged from its warm-up after it was healthy
+                    pts = [p for p in pts if p[0] >= self.life_up.get(life, 1e9) + (self.args.warmup_s if life > 1 else 0)]
                 if not pts:
                     continue
                 key = name if life is None else f"{name} life {life}"
+                half = [p for p in pts if p[0] >= (pts[0][0] + pts[-1][0]) / 2]
                 memory[key] = {"first_mib": pts[0][1], "last_mib": pts[-1][1], "max_mib": max(v for _, v in pts),
-                               "slope_mib_per_min": round(slope_per_min(pts), 2), "samples": len(pts),
+                               "slope_mib_per_min": round(slope_per_min(pts), 2),
+                               "second_half_slope_mib_per_min": round(slope_per_min(half), 2), "samples": len(pts),
                                "span_s": round(pts[-1][0] - pts[0][0], 1)}  # fmt: skip
         loaded = [(s["t"], s["loaded_blocks"]) for s in self.samples if "loaded_blocks" in s]
         after = [v for t, v in loaded if t <= self.last_fault_end]
@@ -257,7 +268,7 @@ class Soak:
         check = checker.report()
         ok = failed == 0 and check["wrong_outputs"] == 0 and check["failed_requests"] == 0 and loads_after > 0
         return {
-            "ok": ok, "seconds": seconds, "concurrency": self.args.concurrency, "seed": self.args.seed,
+            "ok": ok, "seconds": round(self.now(), 1), "concurrency": self.args.concurrency, "seed": self.args.seed,
             "client": {"completed": completed, "failed": failed, "rounds": self.rounds,
                        "busy_s": round(sum(r["end"] - r["start"] for r in self.rounds), 1)},
             "checker": check, "kvbridge": kv, "memory": memory, "faults": self.faults,
