@@ -55,6 +55,7 @@ from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable  # noqa: E40
 
 PORTS = {"prefill": 8100, "decode": 8200, "proxy": 8000}
 PROXY_TIMEOUT_S = 60  # longer than any fault here: a stalled decode stream must outlive a consumer-side drop
+PREFILL_TIMEOUT_S = 5  # a producer behind a cut link costs a request this much, then it is recomputed
 FAULT_KINDS = ("crash", "link", "drop", "drop-b")
 CHECK_TOKENS = 8
 
@@ -102,7 +103,7 @@ class Soak:
         lay.server("prefill", {"kv_connector": "kvbridge.UCXConnector", "kv_role": "kv_producer"}, port=PORTS["prefill"])
         lay.server("decode", {"kv_connector": "kvbridge.UCXConnector", "kv_role": "kv_consumer",
                               "kv_load_failure_policy": "recompute"}, port=PORTS["decode"])  # fmt: skip
-        lay.proxy_on(self.c, PORTS["proxy"], PROXY_TIMEOUT_S)
+        lay.proxy_on(self.c, PORTS["proxy"], PROXY_TIMEOUT_S, PREFILL_TIMEOUT_S)
         up = lay.wait_up(["proxy", "prefill", "decode"])
         self.say(f"servers healthy in {up:.0f} s: producer {self.a}, consumer {self.b}, proxy {self.c}")
 

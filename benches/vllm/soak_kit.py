@@ -113,7 +113,7 @@ class HostLayout(Layout):
         """The same command again (after its host crashed and booted)."""
         self._start(role, self.ports[role], list(self.cmds[role]))
 
-    def proxy_on(self, host: Host, port: int, timeout: float) -> None:
+    def proxy_on(self, host: Host, port: int, timeout: float, prefill_timeout: float) -> None:
         import sys
 
         self.place("proxy", host, port)
@@ -121,7 +121,8 @@ class HostLayout(Layout):
         cmd = [sys.executable, "-m", "kvbridge.cli", "proxy", "--policy", "round-robin",
                "--prefill", f"http://{prefill.address}:{self.ports['prefill']}",
                "--decode", f"http://{decode.address}:{self.ports['decode']}",
-               "--listen", f"{host.address}:{port}", "--timeout", str(timeout)]  # fmt: skip
+               "--listen", f"{host.address}:{port}", "--timeout", str(timeout),
+               "--prefill-timeout", str(prefill_timeout)]  # fmt: skip
         self._start("proxy", port, cmd)
 
     def healthy(self, role: str) -> bool:

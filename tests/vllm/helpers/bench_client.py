@@ -21,4 +21,5 @@ if __name__ == "__main__":
     if "errors" in result:  # with --save-detailed: why requests failed, and the shortest answer
         summary["errors"] = [e for e in result["errors"] if e][:5]
         summary["min_output_len"] = min(result.get("output_lens") or [0])
+        summary["max_ttft_ms"] = 1000 * max(result.get("ttfts") or [0.0])
     print("BENCH " + json.dumps(summary), flush=True)
