@@ -222,9 +222,9 @@ class Soak:
         checker.join(timeout=180)
         self.stop.set()
         threads[0].join(timeout=30)
-        return self.report(seconds, checker, before)
+        return self.report(checker, before)
 
-    def report(self, seconds: float, checker: Checker, before: dict[str, str]) -> dict[str, Any]:
+    def report(self, checker: Checker, before: dict[str, str]) -> dict[str, Any]:
         proxy, decode = self.metrics("proxy"), self.metrics("decode")
         completed = sum(r.get("completed") or 0 for r in self.rounds)
         failed = sum(r.get("failed") or 0 for r in self.rounds)
@@ -244,11 +244,9 @@ class Soak:
                                "slope_mib_per_min": round(slope_per_min(pts), 2),
                                "second_half_slope_mib_per_min": round(slope_per_min(half), 2), "samples": len(pts),
                                "span_s": round(pts[-1][0] - pts[0][0], 1)}  # fmt: skip
-        loaded = [(s["t"], s["loaded_blocks"]) for s in self.samples if "loaded_blocks" in s]
-        after = [v for t, v in loaded if t <= self.last_fault_end]
-        loads_after = loaded[-1][1] - (after[-1] if after else 0) if loaded else 0
-        if decode:
-            loads_after = prom_sum(decode, "kvbridge_transfer_blocks_total", direction="load") - (after[-1] if after else 0)
+        # blocks loaded since the last sample taken before the last fault ended
+        upto = [s["loaded_blocks"] for s in self.samples if "loaded_blocks" in s and s["t"] <= self.last_fault_end]
+        loads_after = prom_sum(decode, "kvbridge_transfer_blocks_total", direction="load") - (upto[-1] if upto else 0)
 
         def delta(text: str, base: str, name: str, **labels: str) -> float:
             return prom_sum(text, name, **labels) - prom_sum(base, name, **labels)

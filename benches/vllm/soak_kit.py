@@ -104,9 +104,9 @@ class HostLayout(Layout):
             cmd[cmd.index("--host") + 1] = host.address
         self.cmds[role] = cmd
         self.lives[role] = self.lives.get(role, 0) + 1
-        log = open(self.work / f"{self.name}-{role}-{self.lives[role]}.log", "w")
         env = pinned_env(self.cores[role]) if role in self.cores else server_env()
-        self.procs[role] = host.popen(cmd, stdout=log, stderr=log, env=env)
+        with open(self.work / f"{self.name}-{role}-{self.lives[role]}.log", "w") as log:
+            self.procs[role] = host.popen(cmd, stdout=log, stderr=log, env=env)
         self.ports[role] = port
 
     def restart(self, role: str) -> None:
