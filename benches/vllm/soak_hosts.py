@@ -147,7 +147,8 @@ class Soak:
                    "--seed", str(self.args.seed * 1000 + i), "--disable-tqdm", "--save-detailed",
                    "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "99"]  # fmt: skip
             start = self.now()
-            proc = self.c.popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=server_env())
+            with open(log, "w") as out:
+                proc = self.c.popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=server_env())
             try:
                 res = client_result(proc, log)
             except RuntimeError as exc:
