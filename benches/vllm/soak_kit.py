@@ -198,8 +198,10 @@ def complete(via: Host, host: str, port: int, prompt: list[int], salt: str, max_
     status, body = http_call(via, host, port, "POST", "/v1/completions", payload, timeout=timeout)
     if status != 200:
         raise OSError(f"HTTP {status}: {body[:300]!r}")
-    choice = json.loads(body)["choices"][0]
-    return {"text": choice["text"], "logprobs": choice["logprobs"]["token_logprobs"]}
+    answer = json.loads(body)
+    choice, usage = answer["choices"][0], answer.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0  # KV the decoder did not compute
+    return {"text": choice["text"], "logprobs": choice["logprobs"]["token_logprobs"], "cached_tokens": cached}
 
 
 class Checker(threading.Thread):
@@ -212,7 +214,7 @@ class Checker(threading.Thread):
         self.via, self.port, self.prompts, self.reference = via, port, prompts, reference
         self.max_tokens, self.t0, self.timeout = max_tokens, t0, timeout
         self.stop = threading.Event()
-        self.checks = self.failed = 0
+        self.checks = self.failed = self.loaded = 0  # loaded: checks whose prompt KV came over kvbridge
         self.mismatches: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
         self.max_logprob_diff = 0.0
@@ -231,7 +233,8 @@ class Checker(threading.Thread):
             else:
                 want = self.reference[k]
                 self.checks += 1
-                if got["text"] != want["text"]:
+                self.loaded += got["cached_tokens"] > 0
+                if got["text"] != want["text"] or len(got["logprobs"]) != len(want["logprobs"]):
                     self.mismatches.append({"t": t, "prompt": k, "got": got, "want": want})
                 else:
                     diff = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"]))
@@ -240,6 +243,6 @@ class Checker(threading.Thread):
             self.stop.wait(0.5)
 
     def report(self) -> dict[str, Any]:
-        return {"checks": self.checks, "failed_requests": self.failed, "wrong_outputs": len(self.mismatches),
-                "max_logprob_diff": self.max_logprob_diff, "mismatches": self.mismatches[:10],
+        return {"checks": self.checks, "loaded_checks": self.loaded, "failed_requests": self.failed,
+                "wrong_outputs": len(self.mismatches), "max_logprob_diff": self.max_logprob_diff, "mismatches": self.mismatches[:10],
                 "errors": self.errors[:10]}  # fmt: skip
