@@ -28,8 +28,8 @@ What it checks and reports (``--out`` JSON):
 - the load average, the fault log.
 
 Exit status: 0 when the run met them (0 failed, 0 wrong, some checks from loaded KV, loads after the last
-fault; memory is reported, not judged), 1 otherwise, 77 when
-emulated hosts cannot be made here (not root, no ``ip netns``), saying why.
+fault; memory is reported, not judged), 1 otherwise, 77 when emulated hosts cannot be made here (not root,
+no ``ip netns``), saying why.
 """
 
 from __future__ import annotations
