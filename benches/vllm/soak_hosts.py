@@ -63,18 +63,21 @@ CHECK_TOKENS = 8
 
 
 def plan_faults(rng: random.Random, seconds: float, gap: tuple[float, float], quiet_s: float) -> list[dict[str, Any]]:
-    """Faults at random times in ``[gap[0], seconds - quiet_s]``, kinds in shuffled rounds of FAULT_KINDS."""
+    """Faults, each ``after`` a random gap once the one before has ended (a restart's time varies with the
+    machine's load: the gap keeps a stretch of healthy P/D between faults), kinds in shuffled rounds of
+    FAULT_KINDS; as many as could start before ``seconds - quiet_s`` were every fault instant."""
     plan: list[dict[str, Any]] = []
     at, kinds = 0.0, list[str]()
     while True:
-        at += rng.uniform(*gap)
+        after = rng.uniform(*gap)
+        at += after
         if at > seconds - quiet_s:
             return plan
         if not kinds:
             kinds = rng.sample(FAULT_KINDS, len(FAULT_KINDS))
         kind = kinds.pop()
-        plan.append({"at": round(at, 1), "kind": kind, "hold_s": round(rng.uniform(2, 4) if kind == "drop-b" else
-                                                                       rng.uniform(3, 8), 1)})  # fmt: skip
+        hold = rng.uniform(2, 4) if kind == "drop-b" else rng.uniform(3, 8)
+        plan.append({"after": round(after, 1), "kind": kind, "hold_s": round(hold, 1)})
 
 
 class Soak:
@@ -89,6 +92,7 @@ class Soak:
         self.stop = threading.Event()
         self.last_fault_end = 0.0
         self.deadline = 0.0  # monotonic; a fault that ends late pushes it back (the quiet tail stays)
+        self.faulting = threading.Event()  # the client goes on while a fault lasts, whatever the deadline
         self.life_up: dict[int, float] = {}  # producer life -> when it was healthy
 
     def now(self) -> float:
@@ -137,8 +141,8 @@ class Soak:
 
     def client(self) -> None:
         rate, i = 0.0, 0
-        while time.monotonic() < self.deadline and not self.stop.is_set():
-            left = self.deadline - time.monotonic()
+        while (time.monotonic() < self.deadline or self.faulting.is_set()) and not self.stop.is_set():
+            left = max(30.0, self.deadline - time.monotonic())
             n = self.args.concurrency * 6 if not rate else max(self.args.concurrency * 2, int(rate * min(120.0, left)))
             log = self.work / f"bench-{i}.log"
             cmd = [sys.executable, str(VLLM_TESTS / "helpers" / "bench_client.py"), "--backend", "vllm",
@@ -164,6 +168,7 @@ class Soak:
 
     # ---- faults ------------------------------------------------------------------------------------------
     def fault(self, f: dict[str, Any]) -> None:
+        self.faulting.set()
         rec = {**f, "start": self.now()}
         kind, hold = f["kind"], f["hold_s"]
         if kind == "crash":
@@ -194,6 +199,7 @@ class Soak:
         self.last_fault_end = rec["end"]
         self.faults.append(rec)
         self.deadline = max(self.deadline, time.monotonic() + self.args.quiet_s)
+        self.faulting.clear()
 
     # ---- the run -----------------------------------------------------------------------------------------
     def run(self, seconds: float) -> dict[str, Any]:
@@ -213,10 +219,10 @@ class Soak:
         for t in threads:
             t.start()
         for f in plan:
-            time.sleep(max(0.0, self.t0 + f["at"] - time.monotonic()))
+            time.sleep(max(0.0, self.t0 + self.last_fault_end + f["after"] - time.monotonic()))
             if time.monotonic() > self.t0 + seconds - self.args.quiet_s:
-                self.say(f"fault {f} skipped: an earlier one ran into the quiet tail")
-                continue
+                self.say(f"faults from {f} on skipped: the quiet tail has begun")
+                break
             self.fault(f)
         while time.monotonic() < self.deadline:
             time.sleep(max(0.0, self.deadline - time.monotonic()))
@@ -303,8 +309,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None, help="the JSON report")
     ap.add_argument("--input-len", type=int, default=200)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--min-gap", type=float, default=25.0, help="seconds between faults, at least")
-    ap.add_argument("--max-gap", type=float, default=60.0, help="seconds between faults, at most")
+    ap.add_argument("--min-gap", type=float, default=25.0, help="seconds from one fault's end to the next one's start, at least")
+    ap.add_argument("--max-gap", type=float, default=60.0, help="the same gap, at most")
     ap.add_argument("--quiet-s", type=float, default=60.0, help="the run's last seconds, without faults")
     ap.add_argument("--sample-s", type=float, default=5.0, help="seconds between memory samples")
     ap.add_argument("--warmup-s", type=float, default=60.0, help="memory samples before this are not judged")

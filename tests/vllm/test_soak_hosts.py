@@ -23,7 +23,7 @@ def test_soak_across_hosts_survives_a_link_cut_and_a_producer_crash(tmp_path: Pa
     args = soak_hosts.parser().parse_args(["--minutes", "0.5", "--concurrency", "8", "--quiet-s", "10",
                                            "--sample-s", "2", "--warmup-s", "10", "--check-prompts", "4",
                                            "--work", str(tmp_path)])  # fmt: skip
-    args.plan = [{"at": 3.0, "kind": "link", "hold_s": 3.0}, {"at": 8.0, "kind": "crash", "hold_s": 0.0}]
+    args.plan = [{"after": 3.0, "kind": "link", "hold_s": 3.0}, {"after": 2.0, "kind": "crash", "hold_s": 0.0}]
     rep = soak_hosts.soak(args)
 
     assert [f["kind"] for f in rep["faults"]] == ["link", "crash"], rep["faults"]
