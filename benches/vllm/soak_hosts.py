@@ -142,7 +142,7 @@ class Soak:
     def client(self) -> None:
         rate, i = 0.0, 0
         while (time.monotonic() < self.deadline or self.faulting.is_set()) and not self.stop.is_set():
-            left = max(30.0, self.deadline - time.monotonic())
+            left = max(10.0, self.deadline - time.monotonic())
             n = self.args.concurrency * 6 if not rate else max(self.args.concurrency * 2, int(rate * min(120.0, left)))
             log = self.work / f"bench-{i}.log"
             cmd = [sys.executable, str(VLLM_TESTS / "helpers" / "bench_client.py"), "--backend", "vllm",
