@@ -209,6 +209,19 @@ def test_silent_decode_hits_the_deadline(proxy_for: Any) -> None:
     assert time.monotonic() - t0 < 2.5
 
 
+def test_a_silent_prefill_costs_the_prefill_timeout_not_the_request(started: Any) -> None:
+    """A producer behind a cut link answers nothing: after ``prefill_timeout`` (not the decode's ``timeout``)
+    the request is decoded without a hand-off."""
+    prefill, decode = FakeServer("prefill", delay=3), FakeServer("decode")
+    port = int(started([prefill.url], [decode.url], "127.0.0.1:0", 30.0, prefill_timeout=0.5))
+    t0 = time.monotonic()
+    status, data, _ = post(port, "/v1/completions", {"prompt": "hi", "max_tokens": 5})
+    assert status == 200 and json.loads(data)["choices"][0]["text"] == "decoded"
+    assert time.monotonic() - t0 < 2.5
+    assert decode.requests == [("/v1/completions", {"prompt": "hi", "max_tokens": 5})]  # no kv_transfer_params
+    assert metrics(port)["kvbridge_proxy_prefill_fallbacks_total"] == 1
+
+
 def test_upstream_errors(proxy_for: Any) -> None:
     port = proxy_for(FakeServer("prefill", status=400).url, FakeServer("decode").url)
     status, data, _ = post(port, "/v1/completions", {"prompt": "hi"})
@@ -294,6 +307,7 @@ def test_cli_defaults_parse() -> None:
     proxy.configure(parser)
     args = parser.parse_args(["--replica", "http://127.0.0.1:1"])
     assert args.directory is None and args.policy == "cache-aware" and args.listen == "127.0.0.1:8000"
+    assert args.prefill_timeout is None and parser.parse_args(["--replica", "h:1", "--prefill-timeout", "5"]).prefill_timeout == 5
     assert parser.parse_args(["--replica", "h:1", "--directory", "redis://127.0.0.1:1/0"]).directory == "redis://127.0.0.1:1/0"
 
 

@@ -13,7 +13,9 @@ Several ``--prefill`` / ``--decode`` URLs are used round-robin. Every upstream c
 (``--timeout`` seconds without progress). **A prefill server that cannot be reached, times out or
 answers 5xx costs latency, never the request**: the next prefill server is tried, and when none
 answers, the request goes to the decode server without ``kv_transfer_params`` (it recomputes the
-prompt) — counted in ``/metrics`` and logged once per request. A 4xx from the prefill server is the
+prompt) — counted in ``/metrics`` and logged once per request. ``--prefill-timeout`` (default: the
+``--timeout``) bounds what a silent prefill server costs: a producer behind a cut link answers nothing at
+all, and a request should not wait for the link longer than a recompute takes. A 4xx from the prefill server is the
 client's own error and is passed through. A decode server that fails gives the client ``502`` with a
 JSON error naming it. A client that goes away mid-answer is logged at debug level, no traceback.
 
@@ -477,13 +479,14 @@ class _Handler(BaseHTTPRequestHandler):
 
 def make_server(prefill: Sequence[str], decode: Sequence[str], listen: str = "127.0.0.1:8000", timeout: float = 300.0,
                 *, replicas: Sequence[str] = (), policy: str = "round-robin", poll_s: float = 1.0,
-                directory: str = "", tokenizer: str = "") -> ProxyServer:  # fmt: skip
+                directory: str = "", tokenizer: str = "", prefill_timeout: float | None = None) -> ProxyServer:  # fmt: skip
     """A proxy bound to ``listen`` (``HOST:PORT``; port 0 picks a free one), not yet serving.
-    Bad input raises :class:`~kvbridge.errors.ConfigError` naming it."""
+    ``prefill_timeout`` (default ``timeout``): how long a prefill server may stay silent before the request
+    is decoded without a hand-off. Bad input raises :class:`~kvbridge.errors.ConfigError` naming it."""
     where = parse_host_port(listen, what="proxy --listen", allow_zero=True)
     return ProxyServer(
         (where.host, where.port),
-        [Upstream(u, timeout) for u in prefill],
+        [Upstream(u, timeout if prefill_timeout is None else prefill_timeout) for u in prefill],
         [Upstream(u, timeout) for u in decode],
         [Upstream(u, timeout) for u in replicas],
         policy,
@@ -539,12 +542,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="where to listen (default %(default)s)",
                         type=checked(lambda t: parse_host_port(t, what="HOST:PORT", allow_zero=True)))  # fmt: skip
     parser.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds an upstream may stay silent (default %(default)s)")
+    parser.add_argument("--prefill-timeout", type=positive_seconds, default=None, metavar="SECONDS",
+                        help="seconds a prefill server may stay silent before the request is decoded without a "
+                             "hand-off (recomputed); default: --timeout")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     server = make_server(args.prefill, args.decode, args.listen, args.timeout, replicas=args.replica, policy=args.policy,
-                         directory=args.directory or "", tokenizer=args.tokenizer or "")
+                         directory=args.directory or "", tokenizer=args.tokenizer or "",
+                         prefill_timeout=args.prefill_timeout)
     host, port = str(server.server_address[0]), int(server.server_address[1])
     upstreams = f"replicas={args.replica}" if args.replica else f"prefill={args.prefill} decode={args.decode}"
     where = f" directory={args.directory}" if args.directory else ""

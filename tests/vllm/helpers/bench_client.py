@@ -17,4 +17,9 @@ if __name__ == "__main__":
     add_cli_args(parser)
     result = main(parser.parse_args(sys.argv[1:]))
     keys = ("completed", "failed", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms", "request_throughput")
-    print("BENCH " + json.dumps({k: result.get(k) for k in keys}), flush=True)
+    summary = {k: result.get(k) for k in keys}
+    if "errors" in result:  # with --save-detailed: why requests failed, and the shortest answer
+        summary["errors"] = [e for e in result["errors"] if e][:5]
+        summary["min_output_len"] = min(result.get("output_lens") or [0])
+        summary["max_ttft_ms"] = 1000 * max(result.get("ttfts") or [0.0])
+    print("BENCH " + json.dumps(summary), flush=True)
