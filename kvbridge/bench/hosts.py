@@ -13,8 +13,11 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
   timed ``start_step`` to the last report; the warm-up checked by sha256.
 - ``kvbridge-ucp``: the same with ``lane="ucp"``: a one-sided GET over UCX's tcp (emulated by active
   messages).
-- ``tcp:1``, ``tcp:4``: plain TCP sockets (``sendall`` / ``recv_into``) moving the same byte count as one
-  buffer over 1 and 4 streams at once; the warm-up's bytes compared.
+- ``tcp:1``, ``tcp:4``: plain TCP sockets in Python (``sendall`` / ``recv_into``) moving the same byte count
+  as one buffer over 1 and 4 streams at once; the warm-up's bytes compared.
+- ``ctcp:1``, ``ctcp:4``: the same in C at kernel speed (:mod:`kvbridge.bench.rawtcp`): the raw medium a
+  C lane is held to. Any stream count is a row (``tcp:8``, ``ctcp:2``); the ratio column divides by the
+  best of every ``tcp:N`` and ``ctcp:N`` row of the same cap and size.
 - ``ucp-get``: one ucp GET of the bytes as one buffer over UCX's tcp with peer error handling
   (:mod:`kvbridge.bench.peers` ``ucp-get:tcp``): the medium of kvbridge's cross-host lane.
 - ``nixl``, ``mooncake``: NIXL's READ over UCX tcp and Mooncake's TCP transfer engine of the same
@@ -25,7 +28,8 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
 ``--pods``: two pods on one node instead (:class:`~kvbridge.testing.hosts.EmulatedHosts` ``pods=True``: one
 network namespace, loopback only, each pod its own pid, uts, IPC and mount namespaces); no caps.
 
-Rows rotate between rounds (the machine's load drifts); each row reports the median of all its samples
+Every timed transfer starts with the CPU caches cold (:mod:`kvbridge.bench.cold`; on one node both ends
+share the last-level cache). Rows rotate between rounds (the machine's load drifts); each row reports the median of all its samples
 and the range of its per-round medians. UCX settings come from the environment (``UCX_TCP_TX_SEG_SIZE``,
 ``UCX_TCP_RX_SEG_SIZE`` ...), which every child inherits; the report names the ``UCX_`` variables set.
 """

@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -47,6 +48,12 @@ static void fail(const char *what) {
 }
 
 static size_t cut(int k) { return (size_t)((unsigned __int128)nbytes * (unsigned)k / (unsigned)streams); }
+
+static double cpu_s(void) { /* this process's CPU time, every thread */
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    return (double)(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + (double)(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
 
 static void nodelay(int fd) {
     int one = 1;
@@ -89,7 +96,10 @@ static int do_send(void) {
         pthread_create(&t[k], NULL, serve, (void *)(intptr_t)((fd << 8) | k));
     }
     close(lfd);
+    double c0 = cpu_s();
     for (int k = 0; k < streams; k++) pthread_join(t[k], NULL);
+    printf("@@{\"cpu\": %.6f}\n", cpu_s() - c0); /* what serving every repetition cost, for a reader that asks */
+    fflush(stdout);
     return 0;
 }
 
@@ -134,13 +144,14 @@ static int do_recv(const char *host, int port, int reps, size_t evict_bytes) {
     pthread_barrier_init(&done, NULL, (unsigned)streams + 1);
     pthread_t t[MAX_STREAMS];
     for (int k = 0; k < streams; k++) pthread_create(&t[k], NULL, take, (void *)(intptr_t)k);
-    double *samples = calloc((size_t)reps + 1, sizeof(double));
+    double *samples = calloc((size_t)reps + 1, sizeof(double)), cpu = 0;
     for (int i = 0; i <= reps; i++) {
         if (scratch) evict(scratch, evict_bytes);
-        double t0 = now();
+        double c0 = cpu_s(), t0 = now();
         pthread_barrier_wait(&go);
         pthread_barrier_wait(&done);
         samples[i] = now() - t0;
+        if (i) cpu += cpu_s() - c0;
         if (failed) fail("the sender went away");
         if (i == 0)
             for (size_t j = 0; j < nbytes; j++)
@@ -155,7 +166,7 @@ static int do_recv(const char *host, int port, int reps, size_t evict_bytes) {
     }
     printf("@@{\"samples\": [");
     for (int i = 1; i <= reps; i++) printf("%s%.9f", i > 1 ? ", " : "", samples[i]);
-    printf("]}\n");
+    printf("], \"cpu\": %.6f}\n", cpu / reps);
     fflush(stdout);
     return 0;
 }
