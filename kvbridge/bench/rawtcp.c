@@ -11,6 +11,10 @@
  * each 'g' with send() of its slice of a pattern.  The first repetition is a warm-up whose bytes are
  * compared with the pattern.  Blocking sockets, the kernel's default (auto-tuned) buffers, TCP_NODELAY for
  * the asks: what a C program moves over the link at kernel speed, the bar for kvbridge's tcp lane.
+ *
+ * Both buffers are asked for transparent huge pages (madvise), as PyTorch asks for an engine's KV cache: the
+ * kernel's copies into and out of the socket then miss the TLB far less, and a raw row on small pages would
+ * set the bar lower than the medium allows.  KVBRIDGE_RAWTCP_SMALL_PAGES=1 in the environment keeps 4 KiB pages.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -22,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -34,6 +39,16 @@ static size_t nbytes;
 static int streams;
 
 static unsigned char pattern(size_t i) { return (unsigned char)((i * 2654435761u) >> 13) ^ (unsigned char)(i >> 20); }
+
+/* n bytes on huge pages where the kernel gives them (2 MiB aligned, MADV_HUGEPAGE), touched once. */
+static unsigned char *alloc(size_t n) {
+    void *p = NULL;
+    if (posix_memalign(&p, 2u << 20, n)) return NULL;
+    const char *small = getenv("KVBRIDGE_RAWTCP_SMALL_PAGES");
+    if (!(small && *small == '1')) (void)madvise(p, n, MADV_HUGEPAGE);
+    memset(p, 0xA5, n);
+    return p;
+}
 
 static double now(void) {
     struct timespec t;
@@ -137,7 +152,7 @@ static int do_recv(const char *host, int port, int reps, size_t evict_bytes) {
         if (fds[k] < 0 || connect(fds[k], (struct sockaddr *)&a, sizeof(a)) < 0) fail("cannot connect");
         nodelay(fds[k]);
     }
-    unsigned char *scratch = evict_bytes ? malloc(evict_bytes) : NULL;
+    unsigned char *scratch = evict_bytes ? malloc(evict_bytes) : NULL; /* small pages: only the caches matter */
     if (scratch) memset(scratch, 1, evict_bytes);
     memset(buf, 0xA5, nbytes);
     pthread_barrier_init(&go, NULL, (unsigned)streams + 1);
@@ -178,7 +193,7 @@ int main(int argc, char **argv) {
     nbytes = strtoull(argv[sending ? 2 : 4], NULL, 10);
     streams = atoi(argv[sending ? 3 : 5]);
     if (!nbytes || streams < 1 || streams > MAX_STREAMS) fail("NBYTES > 0 and STREAMS in [1, 64]");
-    buf = malloc(nbytes);
+    buf = alloc(nbytes);
     if (!buf) fail("out of memory");
     return sending ? do_send() : do_recv(argv[2], atoi(argv[3]), atoi(argv[6]), strtoull(argv[7], NULL, 10));
 }
