@@ -25,7 +25,16 @@ LAYERS = 32
 
 
 def _kv(blocks: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, LAYERS * 2 * blocks * PIECE, dtype=np.uint8)
+    """A KV of random bytes on transparent huge pages, as the ucx worker backs an engine's KV
+    (:mod:`connectors.ucx.hugepages`), so that the lane's rows copy on the pages an engine's copies run on."""
+    import os
+
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read by torch's allocator at its first allocation
+    import torch
+
+    kv = torch.empty(LAYERS * 2 * blocks * PIECE, dtype=torch.uint8).numpy()
+    kv[:] = np.random.default_rng(seed).integers(0, 256, kv.nbytes, dtype=np.uint8)
+    return kv
 
 
 def _descs(base: int, blocks: int, ids: np.ndarray) -> np.ndarray:
@@ -61,7 +70,7 @@ def read(host: str, port: int, base: int, seal: int, blocks: int, mib: int, rows
 
     mod, _ = native.load_core()
     want = _kv(blocks, 1)
-    local = np.zeros_like(want)
+    local = _kv(blocks, 3)
     n = mib * (1 << 20) // (LAYERS * 2 * PIECE)
     rng = np.random.default_rng(2)
     rid, lid = rng.permutation(blocks)[:n], rng.permutation(blocks)[:n]
@@ -130,7 +139,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()}", flush=True)
     with EmulatedHosts(2, pods=args.pods) as (a, b):
         for mib in [int(m) for m in args.mib.split(",")]:
-            blocks = max(256, 2 * mib * (1 << 20) // (LAYERS * 2 * PIECE))
+            blocks = max(64, 2 * mib * (1 << 20) // (LAYERS * 2 * PIECE))
             res: dict[str, list[list[float]]] = {r: [] for r in rows}
             cpu: dict[str, list[tuple[float, float]]] = {}
             for k in range(args.rounds):  # one round at a time, so ctcp alternates with the lane's rows
@@ -159,7 +168,7 @@ def main() -> None:
                     srv.stdin.write("q\n")
                     srv.stdin.flush()
                     scpu = json.loads(srv.stdout.readline().removeprefix("@@"))["cpu"]
-                    srv.wait(20)
+                    srv.wait(60)
                     cpu.setdefault(r, []).append((msg["cpu"] / args.reps, scpu / (args.reps + 1)))
             nbytes = mib << 20
             for r in rows:

@@ -12,9 +12,9 @@
  * compared with the pattern.  Blocking sockets, the kernel's default (auto-tuned) buffers, TCP_NODELAY for
  * the asks: what a C program moves over the link at kernel speed, the bar for kvbridge's tcp lane.
  *
- * Both buffers are asked for transparent huge pages (madvise), as PyTorch asks for an engine's KV cache: the
- * kernel's copies into and out of the socket then miss the TLB far less, and a raw row on small pages would
- * set the bar lower than the medium allows.  KVBRIDGE_RAWTCP_SMALL_PAGES=1 in the environment keeps 4 KiB pages.
+ * Both buffers are asked for transparent huge pages (madvise), as the ucx worker backs an engine's KV cache
+ * (connectors/ucx/hugepages.py): the kernel's copies into and out of the socket then miss the TLB less, and
+ * a raw row on small pages would set the bar lower than the medium allows.  KVBRIDGE_RAWTCP_SMALL_PAGES=1 in the environment keeps 4 KiB pages.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
