@@ -261,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ucx_env": ucx_env, "records": records}, f, indent=1)
+        print(f"wrote {args.json} (kvbridge simulate --from-bench {args.json}: does P/D pay at 10/25/100 GbE)")
     return 0
 
 

@@ -4,7 +4,8 @@
 reproducing its table; the default is an engine model (kvbridge/simulate/model.py): continuous batching, decode
 steps costing a fixed + per-sequence + per-context-token time, prefill a time per token, a KV capacity, chunked
 prefill, xP:yD pools and the KV hand-off measured by ``kvbridge bench --json`` (``--from-bench``) over a link
-shared by the transfers in flight. Every figure is a median over ``--seeds`` runs with a 95% interval;
+shared by the transfers in flight; from ``kvbridge bench hosts --json``, per row and link (measured, or
+derived for a link the bench did not run: kvbridge/simulate/hostbench.py), with the answer "does P/D pay". Every figure is a median over ``--seeds`` runs with a 95% interval;
 ``--sweep-rate`` finds each layout's goodput (the highest rate at which 90% of requests meet the TTFT and TPOT
 targets); ``--json`` and ``--plot`` write them.
 """
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import ConfigError
+from kvbridge.simulate import hostbench
 from kvbridge.simulate import inputs as inp
 from kvbridge.simulate import toy as sim_toy
 from kvbridge.simulate.model import KV_BYTES_PER_TOKEN, EngineModel, HandOff, Layout, Result, Workload, make_requests
@@ -110,12 +112,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--from-bench",
         type=inp.bench_file,
         metavar="JSON",
-        help="fit fixed + per-byte cost per backend from kvbridge bench --json",
+        help="fit fixed + per-byte cost per backend from kvbridge bench --json, or per row and link from "
+        "kvbridge bench hosts --json (then: does P/D pay at each --links)",
     )
     g.add_argument(
         "--bench-backend",
         type=inp.names,
-        help="with --from-bench: the backends to simulate (default: every one in the file)",
+        help="with --from-bench: the backends (bench hosts: rows) to simulate (default: every one in the file)",
+    )
+    g.add_argument(
+        "--links",
+        type=inp.links,
+        help="with a bench hosts --from-bench: the links to answer for, tc rates (default 10gbit,25gbit,100gbit; "
+        "none: the uncapped link); one the file did not run is derived from its uncapped run",
     )
     g.add_argument(
         "--transfer-gbps", type=inp.bandwidth, help="link bandwidth without --from-bench, GB/s (default 25; inf: free)"
@@ -160,7 +169,13 @@ def engine(args: argparse.Namespace) -> EngineModel:
 
 
 def handoffs(args: argparse.Namespace) -> list[HandOff]:
-    """The hand-off models to simulate: per backend of --from-bench, else the --transfer-* one."""
+    """The hand-off models to simulate: per backend of --from-bench (per row and link of a bench hosts file),
+    else the --transfer-* one."""
+    hosts = args.from_bench.hosts if args.from_bench is not None else None
+    if args.links and hosts is None:
+        raise ConfigError("--links needs --from-bench with a kvbridge bench hosts --json file")
+    if hosts is not None:
+        return hosts.handoffs(args.bench_backend, args.links or hostbench.LINKS)[0]
     if args.from_bench is None:
         if args.bench_backend:
             raise ConfigError("--bench-backend needs --from-bench")
@@ -326,8 +341,17 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout  # the table, unless stdout is the JSON's
     print(head, file=out)
     print(engine_line, file=out)
-    for name, src in kvs.items():
-        print(f"hand-off {name}: {src}; each decode engine's link shared by the transfers in flight", file=out)
+    hosts = args.from_bench.hosts if args.from_bench is not None else None
+    if hosts is not None:
+        print(f"hand-offs from kvbridge bench hosts ({hosts.path}): each row's fixed cost + bytes / GB/s fitted per "
+              "link cap; each decode engine's link shared by the transfers in flight", file=out)  # fmt: skip
+        for line in hosts.handoffs(args.bench_backend, args.links or hostbench.LINKS)[1]:
+            print(f"  {line}", file=out)
+        for name, src in kvs.items():
+            print(f"hand-off {name}: {src}", file=out)
+    else:
+        for name, src in kvs.items():
+            print(f"hand-off {name}: {src}; each decode engine's link shared by the transfers in flight", file=out)
     print(f"SLO: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms\n", file=out)
     print(table(results, sim_toy.REFERENCE if toy else None), file=out)
     if sweep:
@@ -339,6 +363,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(["goodput", *(f"{sweep['goodput_rps'][nm]:g}/s" for nm in names)])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         print("\n".join("  ".join(c.rjust(wd) for c, wd in zip(r, widths)) for r in rows), file=out)
+    verdict = hostbench.answer(lays, results, sweep["goodput_rps"] if sweep else None) if hosts else []
+    if verdict:
+        print(f"\n{hostbench.answer_table(verdict, w.rate)}", file=out)
     doc = {
         "preset": args.preset,
         "seeds": n,
@@ -354,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
                             for k, refs in sim_toy.REFERENCE.items() if k in results}  # fmt: skip
     if sweep:
         doc["sweep"] = sweep
+    if verdict:
+        doc["pd_pays"] = verdict
     doc = _plain(doc)
     if args.json == "-":
         print(json.dumps(doc, indent=1, allow_nan=False))

@@ -9,11 +9,14 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbridge.simulate.model import EngineModel, HandOff
+
+if TYPE_CHECKING:
+    from kvbridge.simulate.hostbench import HostsBench
 
 Bad = argparse.ArgumentTypeError
 
@@ -122,6 +125,36 @@ def names(text: str) -> list[str]:
     return out
 
 
+LINK_UNITS = {"tbit": 10**12, "gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
+
+
+def link_bits(name: str) -> int | None:
+    """A link of ``kvbridge bench hosts``: a tc rate (``10gbit``, ``2500mbit``) -> bits/s; ``none`` (the
+    uncapped link) and ``pods`` (two pods on one node) -> None. Anything else is a :class:`Bad`."""
+    text = name.strip().lower()
+    if text in ("none", "pods"):
+        return None
+    for unit, scale in LINK_UNITS.items():
+        number = text.removesuffix(unit)
+        if number != text:
+            try:
+                bits = float(number) * scale
+            except ValueError:
+                break
+            if 0 < bits < math.inf:
+                return int(bits)
+            break
+    raise Bad(f"link {name!r}: expected a tc rate such as 10gbit, 25gbit, 100gbit (or none: uncapped)")
+
+
+def links(text: str) -> list[str]:
+    """Comma-separated links (:func:`link_bits`), lower-cased."""
+    out = [v.lower() for v in names(text)]
+    for v in out:
+        link_bits(v)
+    return out
+
+
 def out_file(text: str) -> str:
     """A file to write: its folder must exist (``-`` for stdout)."""
     if text == "-":
@@ -175,18 +208,39 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return x
 
 
+def fit_line(nbytes: np.ndarray, secs: np.ndarray) -> tuple[float, float]:
+    """``seconds = fixed + bytes / rate`` fitted (least squares, both >= 0) to measured transfers: ``(fixed_ms,
+    GB/s)``. One size, or no growth with size: its throughput, nothing fixed."""
+    if len(set(nbytes.tolist())) >= 2:
+        fixed, per_byte = _nnls(np.column_stack([np.ones_like(nbytes), nbytes]), secs)
+    else:
+        fixed, per_byte = 0.0, 0.0
+    if per_byte <= 0:
+        fixed, per_byte = 0.0, float((secs / nbytes).mean())
+    return float(fixed) * 1e3, 1 / float(per_byte) / 1e9
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchFile:
     path: str
-    handoffs: dict[str, HandOff]  # backend -> its fitted hand-off
+    handoffs: dict[str, HandOff]  # backend -> its fitted hand-off (a kvbridge bench --json file)
+    hosts: HostsBench | None = None  # a kvbridge bench hosts --json file: hand-offs per row and link
 
 
 def bench_file(path: str) -> BenchFile:
     """``kvbridge bench --json`` records -> per backend, ``fixed + bytes / GB/s`` fitted to its measured
-    single-request ``transfer`` (peers) or ``load`` (stores: what the decode side waits for) medians."""
+    single-request ``transfer`` (peers) or ``load`` (stores: what the decode side waits for) medians. A
+    ``kvbridge bench hosts --json`` file (``{"records": [...]}``) -> :class:`~kvbridge.simulate.hostbench.HostsBench`."""
     records = _read_json(path)
+    if isinstance(records, dict) and "records" in records:
+        from kvbridge.simulate.hostbench import hosts_bench  # it uses this module's helpers
+
+        return BenchFile(path, {}, hosts_bench(path, records))
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise Bad(f"{path} is not a kvbridge bench --json file (expected a list of records)")
+        raise Bad(
+            f"{path} is not a kvbridge bench --json file (expected a list of records, or bench hosts' "
+            '{"records": [...]})'
+        )
     points: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for i, r in enumerate(records):
         missing = [k for k in ("backend", "op", "bytes", "median_s") if k not in r]
@@ -204,16 +258,10 @@ def bench_file(path: str) -> BenchFile:
     for backend, ops in sorted(points.items()):
         op = "transfer" if "transfer" in ops else "load"
         pts = np.asarray(sorted(set(ops[op])))
-        nbytes, secs = pts[:, 0], pts[:, 1]
-        if len(set(nbytes)) >= 2:
-            fixed, per_byte = _nnls(np.column_stack([np.ones_like(nbytes), nbytes]), secs)
-        else:
-            fixed, per_byte = 0.0, 0.0
-        if per_byte <= 0:  # one size, or no growth with size: its throughput, nothing fixed
-            fixed, per_byte = 0.0, float((secs / nbytes).mean())
+        fixed_ms, gbps = fit_line(pts[:, 0], pts[:, 1])
         out[backend] = HandOff(
-            backend, fixed * 1e3, 1 / per_byte / 1e9,
-            f"{backend} {op}: {fixed * 1e3:.2f} ms + {1 / per_byte / 1e9:.2f} GB/s fitted to {len(pts)} sizes in {path}",
+            backend, fixed_ms, gbps,
+            f"{backend} {op}: {fixed_ms:.2f} ms + {gbps:.2f} GB/s fitted to {len(pts)} sizes in {path}", "measured",
         )  # fmt: skip
     return BenchFile(path, out)
 
@@ -290,7 +338,10 @@ __all__ = [
     "bench_file",
     "calibration_file",
     "count",
+    "fit_line",
     "fraction",
+    "link_bits",
+    "links",
     "names",
     "non_negative_float",
     "out_file",

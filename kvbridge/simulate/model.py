@@ -105,12 +105,15 @@ class EngineModel:
 
 @dataclasses.dataclass(frozen=True)
 class HandOff:
-    """KV hand-off of one request: ``fixed_ms``, then its bytes at ``gbps`` shared by the transfers in flight."""
+    """KV hand-off of one request: ``fixed_ms``, then its bytes at ``gbps`` shared by the transfers in flight.
+    ``basis``: ``given`` (flags), ``measured`` (fitted to a bench's runs) or ``derived`` (extrapolated from
+    them to a link the bench did not run: :mod:`kvbridge.simulate.hostbench`)."""
 
     name: str = "nominal"
     fixed_ms: float = 1.0
     gbps: float = 25.0
     source: str = "--transfer-gbps / --transfer-fixed-ms"
+    basis: str = "given"
 
     def seconds(self, nbytes: int) -> float:
         """The time of one transfer alone on the link."""

@@ -11,10 +11,15 @@ publishes what a tier newly holds as ``BlockStored`` (one event per contiguous r
 token ids as vLLM's own events carry them); at most every ``scan_s`` it re-asks a bounded slice of what
 was published and publishes what a tier no longer holds (evicted, expired) as ``BlockRemoved``.
 
+A tier is always asked about one request's keys, in order, from its first block: an index may answer
+from the chain's structure (fs: a chunk's last block found proves the blocks before it in that chunk),
+so keys of two requests in one question could be answered as held when only the other's are.
+
 Bounded: at most ``max_blocks`` published (tier, block) pairs are followed (beyond that the oldest is
 dropped with a ``BlockRemoved``: a router may then under-count a tier, never over-count it), at most
-``max_pending`` requests wait for their saves (``pending_s`` each), and each step asks about at most
-``batch`` keys. Coalesced: one event per run of blocks, not per block.
+``max_pending`` requests wait for their saves (``pending_s`` each, asked at most every ``scan_s``: a
+tier that never stores them costs no stat per step), and each step asks at most ``batch`` keys of all
+tiers together. Coalesced: one event per run of blocks, not per block.
 
 Media (``medium``): ``cpu`` and ``memory`` -> ``CPU`` (vLLM's name for host memory, what vllm-router's
 kv_aware credits as its host tier); ``fs`` -> ``DISK`` (its disk tier); ``lmcache`` -> ``LMCACHE``; a
@@ -83,9 +88,10 @@ class TierEvents:
         self.block_size = block_size
         self.max_blocks, self.max_pending, self.pending_s, self.batch, self.scan_s = max_blocks, max_pending, pending_s, batch, scan_s
         self._pending: collections.OrderedDict[str, _Pending] = collections.OrderedDict()
-        self._published: collections.OrderedDict[tuple[int, Any], bytes] = collections.OrderedDict()  # (tier, hash) -> key
+        # (tier, hash) -> (its request's keys, its position there): a scan asks about its request's keys
+        self._published: collections.OrderedDict[tuple[int, Any], tuple[tuple[bytes, ...], int]] = collections.OrderedDict()
         self._events: list[Any] = []
-        self._next_scan = 0.0
+        self._next_scan = self._next_poll = 0.0
 
     def finished(self, request: Any, keys: Sequence[bytes]) -> None:
         """Note a finished request's full blocks; published once a tier holds them."""
@@ -104,18 +110,27 @@ class TierEvents:
             self._pending.popitem(last=False)
 
     def step(self) -> None:
-        """Publish what tiers newly hold (a bounded number of keys asked) and, every ``scan_s``, what they dropped."""
+        """Publish what tiers newly hold and what they dropped, each at most every ``scan_s`` and asking a
+        bounded number of keys (``batch``, all tiers together)."""
         now = time.monotonic()
+        if self._pending and now >= self._next_poll:
+            self._next_poll = now + self.scan_s
+            self._poll(now)
+        if now >= self._next_scan and self._published:
+            self._next_scan = now + self.scan_s
+            self._scan()
+
+    def _poll(self, now: float) -> None:
         budget = self.batch
         for rid in list(self._pending):
             if budget <= 0:
                 break
             p = self._pending[rid]
-            budget -= len(p.keys)
             done = True
             for t, tier in enumerate(self.tiers):
                 if len(p.seen[t]) == len(p.keys):
                     continue  # this tier holds them all already: asking again (a stat each, for fs) finds nothing new
+                budget -= len(p.keys)
                 answer = _asking(tier.members)(p.keys)
                 held = set(answer or ()) - p.seen[t]
                 if held:
@@ -124,9 +139,6 @@ class TierEvents:
                 done = done and len(p.seen[t]) == len(p.keys)
             if done or now > p.deadline:
                 del self._pending[rid]
-        if now >= self._next_scan and self._published:
-            self._next_scan = now + self.scan_s
-            self._scan()
 
     def _stored(self, tier: int, p: _Pending, positions: list[int]) -> None:
         from vllm.distributed.kv_events import BlockStored
@@ -147,25 +159,27 @@ class TierEvents:
                 lora_name=getattr(p.lora, "name", None) if p.lora else None,
             ))  # fmt: skip
             for i in run:
-                self._published[(tier, p.hashes[i])] = p.keys[i]
+                self._published[(tier, p.hashes[i])] = (p.keys, i)
                 self._published.move_to_end((tier, p.hashes[i]))
         while len(self._published) > self.max_blocks:
             (t, h), _ = self._published.popitem(last=False)
             self._removed(t, [h])
 
     def _scan(self) -> None:
-        """Re-ask a bounded slice of the published blocks (oldest first, then rotated to the end)."""
+        """Re-ask a bounded slice of the published blocks (oldest first, then rotated to the end), each
+        request's keys from its first block to the last one asked about (see the module docstring)."""
         chunk = [self._published.popitem(last=False) for _ in range(min(self.batch, len(self._published)))]
-        by_tier: dict[int, list[tuple[Any, bytes]]] = {}
-        for (t, h), key in chunk:
-            by_tier.setdefault(t, []).append((h, key))
-        for t, entries in by_tier.items():
-            answer = _asking(self.tiers[t].members)([key for _, key in entries])
-            held = set(range(len(entries))) if answer is None else set(answer)  # no answer: nothing removed
-            gone = [h for i, (h, _) in enumerate(entries) if i not in held]
-            for i, (h, key) in enumerate(entries):
-                if i in held:
-                    self._published[(t, h)] = key
+        asks: dict[tuple[int, int], list[tuple[Any, tuple[bytes, ...], int]]] = {}
+        for (t, h), (keys, i) in chunk:
+            asks.setdefault((t, id(keys)), []).append((h, keys, i))
+        for (t, _), entries in asks.items():
+            keys = entries[0][1]
+            answer = _asking(self.tiers[t].members)(keys[: max(i for _, _, i in entries) + 1])
+            held = None if answer is None else set(answer)  # no answer: nothing removed
+            gone = [h for h, _, i in entries if held is not None and i not in held]
+            for h, _, i in entries:
+                if held is None or i in held:
+                    self._published[(t, h)] = (keys, i)
             if gone:
                 self._removed(t, gone)
 
