@@ -13,8 +13,11 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
   timed ``start_step`` to the last report; the warm-up checked by sha256.
 - ``kvbridge-ucp``: the same with ``lane="ucp"``: a one-sided GET over UCX's tcp (emulated by active
   messages).
-- ``tcp:1``, ``tcp:4``: plain TCP sockets (``sendall`` / ``recv_into``) moving the same byte count as one
-  buffer over 1 and 4 streams at once; the warm-up's bytes compared.
+- ``tcp:1``, ``tcp:4``: plain TCP sockets in Python (``sendall`` / ``recv_into``) moving the same byte count
+  as one buffer over 1 and 4 streams at once; the warm-up's bytes compared.
+- ``ctcp:1``, ``ctcp:4``: the same in C at kernel speed (:mod:`kvbridge.bench.rawtcp`): the raw medium a
+  C lane is held to. Any stream count is a row (``tcp:8``, ``ctcp:2``); the ratio column divides by the
+  best of every ``tcp:N`` and ``ctcp:N`` row of the same cap and size.
 - ``ucp-get``: one ucp GET of the bytes as one buffer over UCX's tcp with peer error handling
   (:mod:`kvbridge.bench.peers` ``ucp-get:tcp``): the medium of kvbridge's cross-host lane.
 - ``nixl``, ``mooncake``: NIXL's READ over UCX tcp and Mooncake's TCP transfer engine of the same
@@ -25,7 +28,8 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
 ``--pods``: two pods on one node instead (:class:`~kvbridge.testing.hosts.EmulatedHosts` ``pods=True``: one
 network namespace, loopback only, each pod its own pid, uts, IPC and mount namespaces); no caps.
 
-Rows rotate between rounds (the machine's load drifts); each row reports the median of all its samples
+Every timed transfer starts with the CPU caches cold (:mod:`kvbridge.bench.cold`; on one node both ends
+share the last-level cache). Rows rotate between rounds (the machine's load drifts); each row reports the median of all its samples
 and the range of its per-round medians. UCX settings come from the environment (``UCX_TCP_TX_SEG_SIZE``,
 ``UCX_TCP_RX_SEG_SIZE`` ...), which every child inherits; the report names the ``UCX_`` variables set.
 """
@@ -43,12 +47,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvbridge.bench import peers
+from kvbridge.bench import cold, peers, rawtcp
 from kvbridge.bench.baselines import Unavailable
 from kvbridge.bench.core import SHAPES, Point
 from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable
 
-ROWS = ("kvbridge", "kvbridge-ucp", "tcp:1", "tcp:4", "ucp-get", "nixl", "mooncake", "cma")
+ROWS = ("kvbridge", "kvbridge-ucp", "tcp:1", "tcp:4", "ctcp:1", "ctcp:4", "ucp-get", "nixl", "mooncake", "cma")
+PLAIN_TCP = ("tcp:", "ctcp:")  # plain-TCP rows, any stream count (tcp:8, ctcp:8 ...): the ratios' bar
 DEFAULT_ROWS = ROWS[:-1]
 CAPS = ("none", "25gbit", "10gbit")
 _PEER_ROWS = {"ucp-get": "ucp-get:tcp", "nixl": "nixl:tcp", "mooncake": "mooncake:tcp", "cma": "cma"}
@@ -58,9 +63,9 @@ _ENV = {"UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
 class _Proc:
     """A child on a host speaking ``@@`` JSON lines."""
 
-    def __init__(self, host: Host, argv: Sequence[str]):
+    def __init__(self, host: Host, argv: Sequence[str], python: bool = True):
         self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = host.popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = host.popen([sys.executable, *argv] if python else list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=self.err, text=True, env={**os.environ, **_ENV})
 
     def line(self, what: str) -> dict[str, Any]:
@@ -126,12 +131,30 @@ def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int) -> list[float]:
         sender.close()
 
 
+def _ctcp(a: Host, b: Host, nbytes: int, streams: int, reps: int) -> list[float]:
+    exe = rawtcp.binary()
+    sender = _Proc(a, [exe, "send", str(nbytes), str(streams)], python=False)
+    try:
+        port = sender.line("ctcp sender")["port"]
+        evict_bytes = 0 if not cold.evicting() else 2 * cold.llc_bytes()
+        receiver = _Proc(b, [exe, "recv", a.address, str(port), str(nbytes), str(streams), str(reps), str(evict_bytes)],
+                         python=False)
+        try:
+            return [float(v) for v in receiver.line("ctcp receiver")["samples"]]
+        finally:
+            receiver.close()
+    finally:
+        sender.close()
+
+
 def measure_row(row: str, a: Host, b: Host, point: Point, reps: int) -> list[float]:
     """``reps`` timed transfers of ``point``'s bytes by ``row``, from host ``a`` to host ``b`` (seconds)."""
     if row.startswith("kvbridge"):
         return _kvbridge(a, b, point, reps, lane=row.partition("-")[2] or "auto")
     if row.startswith("tcp:"):
         return _tcp(a, b, point.nbytes, int(row.split(":")[1]), reps)
+    if row.startswith("ctcp:"):
+        return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps)
     name = _PEER_ROWS[row]
     why = peers.PEERS[name].missing()
     if why:
@@ -185,7 +208,7 @@ def table(records: Sequence[dict[str, Any]]) -> str:
     lines = [f"{'cap':7} {'tokens':>6} {'MiB':>5} {'row':12} {'GB/s':>6} {'(round medians)':>16} {'x tcp best':>10}  note"]
     for rec in records:
         best_tcp = max((r.get("gbps", 0.0) for r in records if r["cap"] == rec["cap"] and r["tokens"] == rec["tokens"]
-                        and r["row"].startswith("tcp:")), default=0.0)  # fmt: skip
+                        and r["row"].startswith(PLAIN_TCP)), default=0.0)  # fmt: skip
         if "gbps" in rec:
             ratio = f"{rec['gbps'] / best_tcp:10.2f}" if best_tcp else f"{'-':>10}"
             spread = "({:.2f}-{:.2f})".format(rec["low"], rec["high"])
@@ -195,6 +218,12 @@ def table(records: Sequence[dict[str, Any]]) -> str:
             lines.append(f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:12} {'-':>6} {'':16} "
                          f"{'':10}  {rec['note'][:160]}")
     return "\n".join(lines)
+
+
+def _plain_tcp(row: str) -> bool:
+    """``tcp:N`` or ``ctcp:N`` with 1 <= N <= 64."""
+    kind, _, n = row.partition(":")
+    return f"{kind}:" in PLAIN_TCP and n.isdigit() and 1 <= int(n) <= 64
 
 
 def _list(text: str) -> list[str]:
@@ -217,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvbridge bench hosts: {why}", file=sys.stderr)
         return 2
     rows = _list(args.rows)
-    bad = [r for r in rows if r not in ROWS]
+    bad = [r for r in rows if r not in ROWS and not _plain_tcp(r)]
     if bad or args.reps < 1 or args.rounds < 1:
         ap.error(f"unknown rows {bad} (known: {list(ROWS)})" if bad else "--reps and --rounds must be >= 1")
     tokens = [int(t) for t in _list(args.tokens)]

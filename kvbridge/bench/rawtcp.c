@@ -1,0 +1,199 @@
+/* The cross-host bench's raw medium: plain TCP in C, the same bytes over N streams, no protocol beyond a
+ * one-byte ask per stream (kvbridge/bench/rawtcp.py compiles and runs it; rows `ctcp:N`).
+ *
+ *   rawtcp send NBYTES STREAMS                            listens on every address, prints @@{"port": P}
+ *   rawtcp recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES  prints @@{"samples": [...]} or @@{"error": ...}
+ *
+ * The receiver connects STREAMS sockets once (kept for every repetition, as kvbridge keeps its streams),
+ * then per repetition: evicts the CPU caches (reads and rewrites EVICT_BYTES, untimed, as every row of the
+ * bench does), and times from the first ask to the last byte: each stream's thread sends 'g' and receives
+ * its slice (NBYTES cut in STREAMS equal parts) straight into one buffer with recv().  The sender answers
+ * each 'g' with send() of its slice of a pattern.  The first repetition is a warm-up whose bytes are
+ * compared with the pattern.  Blocking sockets, the kernel's default (auto-tuned) buffers, TCP_NODELAY for
+ * the asks: what a C program moves over the link at kernel speed, the bar for kvbridge's tcp lane.
+ *
+ * Both buffers are asked for transparent huge pages (madvise), as the ucx worker backs an engine's KV cache
+ * (connectors/ucx/hugepages.py): the kernel's copies into and out of the socket then miss the TLB less, and
+ * a raw row on small pages would set the bar lower than the medium allows.  KVBRIDGE_RAWTCP_SMALL_PAGES=1 in the environment keeps 4 KiB pages.
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_STREAMS 64
+
+static unsigned char *buf;
+static size_t nbytes;
+static int streams;
+
+static unsigned char pattern(size_t i) { return (unsigned char)((i * 2654435761u) >> 13) ^ (unsigned char)(i >> 20); }
+
+/* n bytes on huge pages where the kernel gives them (2 MiB aligned, MADV_HUGEPAGE), touched once. */
+static unsigned char *alloc(size_t n) {
+    void *p = NULL;
+    if (posix_memalign(&p, 2u << 20, n)) return NULL;
+    const char *small = getenv("KVBRIDGE_RAWTCP_SMALL_PAGES");
+    if (!(small && *small == '1')) (void)madvise(p, n, MADV_HUGEPAGE);
+    memset(p, 0xA5, n);
+    return p;
+}
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static void fail(const char *what) {
+    printf("@@{\"error\": \"rawtcp: %s\"}\n", what);
+    fflush(stdout);
+    exit(1);
+}
+
+static size_t cut(int k) { return (size_t)((unsigned __int128)nbytes * (unsigned)k / (unsigned)streams); }
+
+static double cpu_s(void) { /* this process's CPU time, every thread */
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    return (double)(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + (double)(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
+static void nodelay(int fd) {
+    int one = 1;
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+/* ---- sender */
+
+static void *serve(void *arg) {
+    int fd = (int)(intptr_t)arg >> 8, k = (int)(intptr_t)arg & 0xff;
+    size_t lo = cut(k), hi = cut(k + 1);
+    char ask;
+    while (recv(fd, &ask, 1, MSG_WAITALL) == 1 && ask == 'g') {
+        for (size_t at = lo; at < hi;) {
+            ssize_t r = send(fd, buf + at, hi - at, MSG_NOSIGNAL);
+            if (r <= 0) return NULL;
+            at += (size_t)r;
+        }
+    }
+    close(fd);
+    return NULL;
+}
+
+static int do_send(void) {
+    for (size_t i = 0; i < nbytes; i++) buf[i] = pattern(i);
+    int lfd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0, .sin_addr = {htonl(INADDR_ANY)}};
+    socklen_t al = sizeof(a);
+    if (lfd < 0 || setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
+        bind(lfd, (struct sockaddr *)&a, sizeof(a)) < 0 || listen(lfd, MAX_STREAMS) < 0 ||
+        getsockname(lfd, (struct sockaddr *)&a, &al) < 0)
+        fail("cannot listen");
+    printf("@@{\"port\": %d}\n", ntohs(a.sin_port));
+    fflush(stdout);
+    pthread_t t[MAX_STREAMS];
+    for (int k = 0; k < streams; k++) {
+        int fd = accept(lfd, NULL, NULL);
+        if (fd < 0) fail("accept failed");
+        nodelay(fd);
+        pthread_create(&t[k], NULL, serve, (void *)(intptr_t)((fd << 8) | k));
+    }
+    close(lfd);
+    double c0 = cpu_s();
+    for (int k = 0; k < streams; k++) pthread_join(t[k], NULL);
+    printf("@@{\"cpu\": %.6f}\n", cpu_s() - c0); /* what serving every repetition cost, for a reader that asks */
+    fflush(stdout);
+    return 0;
+}
+
+/* ---- receiver */
+
+static int fds[MAX_STREAMS];
+static pthread_barrier_t go, done;
+static int quit, failed;
+
+static void *take(void *arg) {
+    int k = (int)(intptr_t)arg;
+    for (;;) {
+        pthread_barrier_wait(&go);
+        if (quit) return NULL;
+        size_t lo = cut(k), hi = cut(k + 1);
+        if (send(fds[k], "g", 1, MSG_NOSIGNAL) != 1) failed = 1;
+        for (size_t at = lo; !failed && at < hi;) {
+            ssize_t r = recv(fds[k], buf + at, hi - at, 0);
+            if (r <= 0) failed = 1;
+            else at += (size_t)r;
+        }
+        pthread_barrier_wait(&done);
+    }
+}
+
+static void evict(unsigned char *scratch, size_t n) {
+    for (size_t i = 0; i < n; i += 64) scratch[i] += 1; /* a read and a write of every line */
+}
+
+static int do_recv(const char *host, int port, int reps, size_t evict_bytes) {
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    if (inet_pton(AF_INET, host, &a.sin_addr) != 1) fail("host is not a numeric IPv4 address");
+    for (int k = 0; k < streams; k++) {
+        fds[k] = socket(AF_INET, SOCK_STREAM, 0);
+        if (fds[k] < 0 || connect(fds[k], (struct sockaddr *)&a, sizeof(a)) < 0) fail("cannot connect");
+        nodelay(fds[k]);
+    }
+    unsigned char *scratch = evict_bytes ? malloc(evict_bytes) : NULL; /* small pages: only the caches matter */
+    if (scratch) memset(scratch, 1, evict_bytes);
+    memset(buf, 0xA5, nbytes);
+    pthread_barrier_init(&go, NULL, (unsigned)streams + 1);
+    pthread_barrier_init(&done, NULL, (unsigned)streams + 1);
+    pthread_t t[MAX_STREAMS];
+    for (int k = 0; k < streams; k++) pthread_create(&t[k], NULL, take, (void *)(intptr_t)k);
+    double *samples = calloc((size_t)reps + 1, sizeof(double)), cpu = 0;
+    for (int i = 0; i <= reps; i++) {
+        if (scratch) evict(scratch, evict_bytes);
+        double c0 = cpu_s(), t0 = now();
+        pthread_barrier_wait(&go);
+        pthread_barrier_wait(&done);
+        samples[i] = now() - t0;
+        if (i) cpu += cpu_s() - c0;
+        if (failed) fail("the sender went away");
+        if (i == 0)
+            for (size_t j = 0; j < nbytes; j++)
+                if (buf[j] != pattern(j)) fail("received bytes differ from the sender's");
+    }
+    quit = 1;
+    pthread_barrier_wait(&go);
+    for (int k = 0; k < streams; k++) {
+        pthread_join(t[k], NULL);
+        (void)!send(fds[k], "q", 1, MSG_NOSIGNAL);
+        close(fds[k]);
+    }
+    printf("@@{\"samples\": [");
+    for (int i = 1; i <= reps; i++) printf("%s%.9f", i > 1 ? ", " : "", samples[i]);
+    printf("], \"cpu\": %.6f}\n", cpu / reps);
+    fflush(stdout);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4) fail("usage: rawtcp send NBYTES STREAMS | recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES");
+    int sending = strcmp(argv[1], "send") == 0;
+    if (!sending && argc != 8) fail("usage: rawtcp recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES");
+    nbytes = strtoull(argv[sending ? 2 : 4], NULL, 10);
+    streams = atoi(argv[sending ? 3 : 5]);
+    if (!nbytes || streams < 1 || streams > MAX_STREAMS) fail("NBYTES > 0 and STREAMS in [1, 64]");
+    buf = alloc(nbytes);
+    if (!buf) fail("out of memory");
+    return sending ? do_send() : do_recv(argv[2], atoi(argv[3]), atoi(argv[6]), strtoull(argv[7], NULL, 10));
+}
