@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Regenerate benches/results/: the current full run of `kvbridge bench` (table, records, plot), the bench
-# across two emulated hosts (`kvbridge bench hosts`, as root; about 10 minutes) and the simulator's answers
+# across two emulated hosts and between two pods (`kvbridge bench hosts [--pods]`, as root; about 15 minutes) and
 # for them. Run on a quiet machine with kvbridge[main] installed; history lives in git.
 #   RESULTS_DIR=DIR        write there instead of benches/results
-#   RESULTS_PARTS="hosts"  run only some of: bench hosts (simulate.txt is remade from the JSON files present)
+#   RESULTS_PARTS="hosts"  run only some of: bench hosts pods (simulate.txt is remade from the JSON files present)
 #   HOSTS_ARGS="..."       replace the hosts run's sizes, caps, rounds (a quick check:
 #                          HOSTS_ARGS="--tokens 64,16 --caps none,10gbit --rounds 1 --reps 1")
 set -euo pipefail
 out="${RESULTS_DIR:-$(dirname "$0")/results}"
-parts=" ${RESULTS_PARTS:-bench hosts} "
+parts=" ${RESULTS_PARTS:-bench hosts pods} "
 # 8, 32 and 128 MiB a request (the fit needs several sizes; prompts of the simulated workload are 37 MiB to
 # 2.3 GiB), three caps, rows rotated over two rounds
 hosts_args="${HOSTS_ARGS:---tokens 1024,256,64 --caps none,25gbit,10gbit --rounds 2 --reps 3}"
@@ -24,6 +24,11 @@ if [[ $parts == *" hosts "* ]]; then
   else
     echo "results.sh: kvbridge bench hosts needs root (network namespaces); hosts.json left as it is" >&2
   fi
+fi
+# two pods on one node (one network, their own pid and IPC namespaces): the lane against the raw media that cross
+if [[ $parts == *" pods "* && $(id -u) == 0 ]]; then
+  kvbridge bench hosts --pods --json pods.json --tokens 1024,256 --rows kvbridge,kvbridge-ucp,tcp:4,ctcp:1,ctcp:4,cma \
+    --reps 3 --rounds 3 | tee pods.txt
 fi
 # kvbridge's lane against plain TCP, NIXL and Mooncake: those of them the hosts run measured
 hosts_rows=kvbridge,tcp:4,ctcp:4,nixl,mooncake  # ctcp:4: plain TCP in C, where the bench has it
