@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate benches/results/: the current full run of `kvbridge bench` (table, records, plot), the bench
 # across two emulated hosts and between two pods (`kvbridge bench hosts [--pods]`, as root; about 15 minutes) and
-# for them. Run on a quiet machine with kvbridge[main] installed; history lives in git.
+# the simulator's answers for them. Run on a quiet machine with kvbridge[main] installed; history lives in git.
 #   RESULTS_DIR=DIR        write there instead of benches/results
 #   RESULTS_PARTS="hosts"  run only some of: bench hosts pods (simulate.txt is remade from the JSON files present)
 #   HOSTS_ARGS="..."       replace the hosts run's sizes, caps, rounds (a quick check:
