@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 from kvbridge.connectors import fs
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 import kvbridge
 from kvbridge.keys import block_keys
@@ -40,6 +39,8 @@ def _tokens(blocks: int, want_partial_tail: bool, seed: int) -> list[int]:
 
 
 def _request(rid: str, tokens: list[int]) -> Any:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # here: collected without vLLM, skipped
+
     hashes = [hashlib.sha256(f"{rid}/{i}".encode()).digest() for i in range(len(tokens) // BS)]
     return NS(request_id=rid, block_hashes=hashes, published={maybe_convert_block_hash(h) for h in hashes},
               prompt_token_ids=tokens, all_token_ids=tokens, lora_request=None)
