@@ -9,7 +9,8 @@ a target, a producer and a consumer backend sharing whatever medium they use: th
 declared in :mod:`kvbridge.testing.targets`; a third-party backend exposes, in its module,
 ``conformance_target(tmp_path) -> kvbridge.testing.Target``. A backend that cannot be imported here
 (missing extra) is *skipped* with the reason and the install hint; a backend without a target
-*fails*. To run the suite against only some backends, override the ``conformance_names`` fixture.
+*fails*. To run the suite against only some backends, select them by name (``-k fs``: each test's id names
+its backend).
 
 Faults come from the target's hooks (:class:`~kvbridge.testing.engine.Target`: ``corrupt``,
 ``vanish``, ``break_saves``); a test whose hook the target lacks is skipped with the target's reason.
