@@ -14,8 +14,9 @@ import pytest
 
 from kvbridge import registry
 from kvbridge.bench import peers
-from kvbridge.bench.cases import Measurer, opened
+from kvbridge.bench.cases import opened
 from kvbridge.bench.core import SHAPES, Point, Timing, gbps
+from kvbridge.bench.measurer import Measurer
 from kvbridge.bench.pairs import Pair, load_case
 
 POINTS = {"8b-1024tok": Point(SHAPES["8b"], 1024), "8b-64tok": Point(SHAPES["8b"], 64)}

@@ -18,12 +18,12 @@ from kvbridge.bench.cases import (
     BENCH,
     DEFAULT_BENCH,
     Case,
-    Measurer,
     medium_env,
     opened,
     sched_floor_case,
 )
 from kvbridge.bench.core import SHAPES, Point, Timing, gbps
+from kvbridge.bench.measurer import Measurer
 from kvbridge.bench.pairs import Pair, load_case, save_case, save_stall_case
 
 POINTS = {"8b-256tok": Point(SHAPES["8b"], 256), "8b-64tok-x4": Point(SHAPES["8b"], 64, requests=4)}

@@ -38,7 +38,6 @@ _EXPORTS = {
     "SchedulerSide": "kvbridge.contract",
     "WorkerSide": "kvbridge.contract",
     "Backend": "kvbridge.contract",
-    "BlockStore": "kvbridge.store",
     "StoreBackend": "kvbridge.store",
     "TransferStats": "kvbridge.stats",
     "create_backend": "kvbridge.registry",

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +37,22 @@ def hosts() -> Iterator[list[Host]]:
         pytest.skip(reason)
     with emulated_hosts(2) as made:
         yield made
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., Any]]:
+    """Start embedded metadata servers (:class:`kvbridge.metadata.server.MetadataServer`) in this process; all
+    are stopped at the end of the test."""
+    from kvbridge.metadata.server import MetadataServer
+
+    started: list[MetadataServer] = []
+
+    def start(**kwargs: Any) -> MetadataServer:
+        server = MetadataServer(**kwargs)
+        server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop(0)

@@ -152,7 +152,8 @@ def test_results_are_saved_by_default_to_a_named_file(tmp_path, capsys):
 
 
 def test_quick_keeps_a_backends_quick_baselines_and_one_point_for_a_peer():
-    from kvbridge.bench.cases import BENCH, Measurer
+    from kvbridge.bench.cases import BENCH
+    from kvbridge.bench.measurer import Measurer
 
     ucx = BENCH["ucx"]
     assert ucx.quick and set(ucx.quick) < set(ucx.baselines) and ucx.chosen(True) == ucx.quick
@@ -176,9 +177,9 @@ def test_third_party_output_goes_to_a_log_not_across_the_table(tmp_path, capfd, 
     import logging
     import os
 
-    from kvbridge.bench import cases
+    from kvbridge.bench import measurer
 
-    real = cases.Measurer.measure
+    real = measurer.Measurer.measure
 
     def noisy(self, name, points):
         os.write(2, b"[1796172570.22] UCX  ERROR req 0x7f: error during flush: Connection reset by remote peer\n")
@@ -186,7 +187,7 @@ def test_third_party_output_goes_to_a_log_not_across_the_table(tmp_path, capfd, 
         logging.getLogger("lmcache.fake").warning("Failed to allocate memory block")
         return real(self, name, points)
 
-    monkeypatch.setattr(cases.Measurer, "measure", noisy)
+    monkeypatch.setattr(measurer.Measurer, "measure", noisy)
     fd2 = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - stderr itself, as a process sees it (pytest swaps sys.stderr)
     handler = logging.StreamHandler(fd2)  # LMCache's own handlers write to stderr
     logging.getLogger("lmcache.fake").addHandler(handler)
@@ -227,8 +228,9 @@ def test_report_names_every_baseline_marks_doubtful_ratios_and_sums_up():
 def test_a_gpu_point_takes_the_pcie_baseline_and_says_where_it_ran():
     """``--device cuda`` (checked without a GPU): host-memory baselines become ``pcie``, the others stay, each once;
     the point's label and the table's shape column name the device; a peer's transfer is refused with a reason."""
-    from kvbridge.bench.cases import BENCH, Measurer
+    from kvbridge.bench.cases import BENCH
     from kvbridge.bench.core import Timing, make_record
+    from kvbridge.bench.measurer import Measurer
     from kvbridge.bench.report import legend, table
 
     assert BENCH["cpu"].chosen(False, "cuda") == ("pcie",)
@@ -384,7 +386,8 @@ def test_store_rows_time_their_in_process_baselines_round_by_round(tmp_path):
     file): their records say so, and their figures are real timings of the medium; a baseline that cannot
     start is its row's note while ours is still measured; save_stall takes the save's interleaved figure."""
     from kvbridge.bench import baselines
-    from kvbridge.bench.cases import BENCH, BackendBench, Measurer
+    from kvbridge.bench.cases import BENCH, BackendBench
+    from kvbridge.bench.measurer import Measurer
 
     point = Point(SHAPES["8b"], 32)
     measurer = Measurer(1, ops=("save", "load", "save_stall"))

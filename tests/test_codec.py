@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvbridge import codec
+from kvbridge import checksums, codec
 from kvbridge.errors import Corrupted, KVBridgeError, MissingDependency
 from kvbridge.layout import LayoutFingerprint
 
@@ -95,8 +95,8 @@ def test_checksums_are_the_usual_ones_over_the_concatenation():
     data = np.random.default_rng(1).integers(0, 256, 1000, dtype=np.uint8)
     parts = [memoryview(data[:10]), memoryview(data[10:999]), memoryview(data[999:])]
     assert codec.checksum(codec.CRC32, parts) == zlib.crc32(data.tobytes())
-    if codec._google_crc32c() is not None:
-        assert codec.checksum(codec.CRC32C, parts) == codec._google_crc32c().value(data.tobytes())
+    if checksums._google_crc32c() is not None:
+        assert codec.checksum(codec.CRC32C, parts) == checksums._google_crc32c().value(data.tobytes())
     with pytest.raises(ValueError, match="kind"):
         codec.checksum(7, parts)
 
@@ -105,11 +105,11 @@ def test_checksums_are_the_usual_ones_over_the_concatenation():
 def test_crc32c_from_either_source_is_crc32c(source, monkeypatch):
     """crc32c is there with either the native module or google-crc32c alone (vLLM's environment has no
     google-crc32c): the check value of "123456789", and the same sum over strided and empty parts."""
-    if source == "native" and codec.native_crc32c() is None:
+    if source == "native" and checksums.native_crc32c() is None:
         pytest.skip("kvbridge._core is not built with crc32c here")
     if source == "google":
         pytest.importorskip("google_crc32c")
-    monkeypatch.setattr(codec, "_google_crc32c" if source == "native" else "native_crc32c", lambda: None)
+    monkeypatch.setattr(checksums, "_google_crc32c" if source == "native" else "native_crc32c", lambda: None)
     assert codec.have_crc32c() and codec.default_checksum() == "crc32c"
     assert codec.checksum(codec.CRC32C, [b"1234", memoryview(b"56789")]) == 0xE3069283
     assert codec.checksum(codec.CRC32C, []) == codec.checksum(codec.CRC32C, [b""]) == 0
@@ -229,8 +229,8 @@ def test_one_formats_object_is_not_the_others():
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_crc32c_object_where_crc32c_is_missing_is_foreign(fmt, monkeypatch):
     obj = Obj(FORMATS[fmt], _kind("crc32c"))
-    monkeypatch.setattr(codec, "_google_crc32c", lambda: None)
-    monkeypatch.setattr(codec, "native_crc32c", lambda: None)
+    monkeypatch.setattr(checksums, "_google_crc32c", lambda: None)
+    monkeypatch.setattr(checksums, "native_crc32c", lambda: None)
     assert not codec.have_crc32c() and codec.default_checksum() == "crc32"
     with pytest.raises(Corrupted, match="cannot be verified") as err:
         obj.check()
@@ -428,8 +428,8 @@ def test_v1_object_is_foreign_to_the_chunk_reader():
 
 def test_crc32c_chunk_where_crc32c_is_missing_is_foreign(monkeypatch):
     obj = Chunk(_kind("crc32c"))
-    monkeypatch.setattr(codec, "_google_crc32c", lambda: None)
-    monkeypatch.setattr(codec, "native_crc32c", lambda: None)
+    monkeypatch.setattr(checksums, "_google_crc32c", lambda: None)
+    monkeypatch.setattr(checksums, "native_crc32c", lambda: None)
     with pytest.raises(Corrupted, match="cannot be verified") as err:
         obj.parse()
     assert not err.value.damaged

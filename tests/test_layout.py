@@ -370,9 +370,9 @@ def test_staged_addressing_holds_a_block_as_the_kv_does(kv_format):
 @pytest.mark.parametrize("arrangement", ["layers-after-layers", "interleaved", "gaps", "apart"])
 def test_all_layers_move_in_one_op_where_they_are_one_allocation(arrangement):
     """On a GPU a gather or scatter of every layer is one kernel over a ``[layers, blocks, words]`` view
-    (``_layers_as_one``), where the layers lie at equal steps in one allocation; it must move exactly what
+    (``layers_as_one``), where the layers lie at equal steps in one allocation; it must move exactly what
     the per-layer copies move, and be refused where layers are not so placed. Forced on here (CPU)."""
-    from kvbridge.layout import _layers_as_one
+    from kvbridge.layout.words import layers_as_one
 
     if arrangement == "interleaved":  # [B, L, ...]: each layer's blocks have gaps, filled by the other layers
         base = torch.empty(30, 3, 2, 16, 16, dtype=torch.bfloat16)
@@ -389,7 +389,7 @@ def test_all_layers_move_in_one_op_where_they_are_one_allocation(arrangement):
     for t in layers:
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8))
     one, per_layer = KVLayout.from_tensors(layers), KVLayout.from_tensors([t.clone() for t in layers])
-    one._all = _layers_as_one(one._rows)
+    one._all = layers_as_one(one._rows)
     if arrangement == "apart":
         assert one._all is None
         return

@@ -10,8 +10,9 @@ import torch
 from kvbridge.bench import _peer_child as child
 from kvbridge.bench import peers
 from kvbridge.bench.baselines import Unavailable
-from kvbridge.bench.cases import BENCH, Measurer
+from kvbridge.bench.cases import BENCH
 from kvbridge.bench.core import SHAPES, Point
+from kvbridge.bench.measurer import Measurer
 from kvbridge.layout import KVLayout
 
 SMALL = Point(SHAPES["8b"], 32)  # 2 blocks x 32 layers = 64 descriptors of 64 KiB: 4 MiB

@@ -69,6 +69,16 @@ def test_import_is_cheap_and_lazy():
         kvbridge.nothing_here  # noqa: B018
 
 
+def test_every_exported_name_resolves():
+    """Each name ``kvbridge`` lists resolves to an attribute of the module it names (vLLM's connectors where
+    vLLM is installed: without it they raise MissingDependency, which says how to get it)."""
+    for name in kvbridge.__all__:
+        try:
+            getattr(kvbridge, name)
+        except MissingDependency:
+            assert name.endswith("Connector"), name
+
+
 def test_cli_backends_and_version(capsys):
     assert main(["backends"]) == 0
     out = capsys.readouterr().out

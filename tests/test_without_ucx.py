@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvbridge
-from kvbridge import codec, native
+from kvbridge import checksums, native
 from kvbridge.testing import MiniEngine
 
 core, WHY = native.load_core()
@@ -45,9 +45,9 @@ class Spy:
 def calls(monkeypatch: pytest.MonkeyPatch) -> Any:
     seen: Counter[str] = Counter()
     monkeypatch.setattr(native, "load_core", lambda: (Spy(core, seen), ""))
-    codec.native_crc32c.cache_clear()  # probed once per process: probe the spy
+    checksums.native_crc32c.cache_clear()  # probed once per process: probe the spy
     yield seen
-    codec.native_crc32c.cache_clear()
+    checksums.native_crc32c.cache_clear()
 
 
 def test_the_core_is_there_and_ucp_is_said_where_it_is_not() -> None:

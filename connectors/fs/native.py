@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge import codec
+from kvbridge import checksums
 from kvbridge.layout import BlockAddressing, KVLayout
 
 
 def module() -> ModuleType | None:
     """The native module with ``file_start`` and crc32c, or ``None`` where it is not built or not here."""
-    return codec.native_crc32c()
+    return checksums.native_crc32c()
 
 
 def start_move(mod: ModuleType, layout: KVLayout, block_ids: Sequence[int], runs: Sequence[tuple[int, int, int]], *,

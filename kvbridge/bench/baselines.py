@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from kvbridge.bench.core import Case, Timing, fill_random, time_reps
+from kvbridge.bench.core import Case, Timing, time_reps
+from kvbridge.bench.pool import fill_random
 
 Baseline = Callable[[int, str, Mapping[str, Any], int], Timing]
 Stepped = Callable[[int, str, Mapping[str, Any]], contextlib.AbstractContextManager[Case]]

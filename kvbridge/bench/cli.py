@@ -21,9 +21,10 @@ from typing import TextIO
 
 import torch
 
-from kvbridge.bench.cases import OPS, Measurer, Progress, bench_names, count_cases
+from kvbridge.bench.cases import OPS, bench_names, count_cases
 from kvbridge.bench.cold import WARM_ENV
 from kvbridge.bench.core import SHAPES, Point, Record
+from kvbridge.bench.measurer import Measurer, Progress
 from kvbridge.bench.recompute import compare, measure_prefill
 from kvbridge.bench.report import ProgressBar, legend, plot, recompute_table, stall_table, summary, table
 from kvbridge.errors import ConfigError

@@ -16,7 +16,7 @@ pointers, each layer's paged tensor viewed as ``[2, slots, hidden]``. Its ``from
 so every copy is LMCache's ``device_ops.multi_layer_kv_transfer``: on a GPU its CUDA kernel, here LMCache's
 pure-torch fallback (one ``index_select`` / ``index_copy_`` per layer). The KV is vLLM's flash-attention layout
 (NHD), per layer ``[2, num_blocks, block_size, num_kv_heads, head_size]``: the bytes per token of the bench's
-pools, the block ids scattered by the bench's own rule (:func:`kvbridge.bench.core.request_blocks`).
+pools, the block ids scattered by the bench's own rule (:func:`kvbridge.bench.pool.request_blocks`).
 
 **Timing**, as the bench's store rows: ``save`` is every request's ``store`` (fresh tokens each rep) until LMCache
 holds it, which for the disk tier means until its disk writes are done (LMCache's puts to disk are asynchronous;
@@ -60,7 +60,8 @@ from typing import Any
 import torch
 
 from kvbridge.bench.cold import evict
-from kvbridge.bench.core import Point, Timing, fill_random, prompts, request_blocks
+from kvbridge.bench.core import Point, Timing
+from kvbridge.bench.pool import fill_random, prompts, request_blocks
 from kvbridge.errors import TransferTimeout
 
 TIERS = ("cpu", "disk")

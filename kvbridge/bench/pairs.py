@@ -13,11 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbridge.bench.baselines import Unavailable
-from kvbridge.bench.core import (
-    Case,
+from kvbridge.bench.core import Case, Point, Timing
+from kvbridge.bench.pool import (
     KVPool,
-    Point,
-    Timing,
     end_load,
     end_save,
     plan_load,
@@ -108,7 +106,7 @@ def save_stall_case(pair: Pair, saves: list[float]) -> Case:
     as the forward pass drives it: plan with the saves, then ``start_step``, the per-layer hooks,
     ``finish_step``.
 
-    Timed: those calls (:func:`~kvbridge.bench.core.step_saves`) — the stall the forward pass sees.
+    Timed: those calls (:func:`~kvbridge.bench.pool.step_saves`) — the stall the forward pass sees.
     Untimed, in teardown: the worker idle again (``wait_idle``), then the save's own time is appended
     to ``saves``: the worker's ``stats.save_seconds`` over the step (time inside the store's ``save``
     on the IO thread), or, for a worker that keeps none, ``start_step`` until idle. A failed save

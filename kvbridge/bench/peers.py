@@ -63,7 +63,8 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from kvbridge.bench.baselines import Unavailable
-from kvbridge.bench.core import SHAPES, Point, Timing, request_blocks
+from kvbridge.bench.core import SHAPES, Point, Timing
+from kvbridge.bench.pool import request_blocks
 
 INSTALL = "pip install 'kvbridge[peers]'"
 
@@ -234,7 +235,7 @@ def run_spec(s: dict[str, Any], prefixes: tuple[Sequence[str], Sequence[str]] = 
 
 
 def baseline(name: str) -> Callable[[Point, int], Timing]:
-    """Row ``name`` as a point-aware baseline ``fn(point, reps)`` (what :class:`~kvbridge.bench.cases.Measurer` calls)."""
+    """Row ``name`` as a point-aware baseline ``fn(point, reps)`` (what :class:`~kvbridge.bench.measurer.Measurer` calls)."""
     return functools.partial(measure, name)
 
 

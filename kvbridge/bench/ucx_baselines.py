@@ -38,7 +38,8 @@ import torch
 
 from kvbridge.bench.baselines import BASELINES, Unavailable
 from kvbridge.bench.cold import evict
-from kvbridge.bench.core import SHAPES, Point, Timing, request_blocks
+from kvbridge.bench.core import SHAPES, Point, Timing
+from kvbridge.bench.pool import request_blocks
 
 BLOCK_BYTES = 32 * 8 * 16 * 2 * 128 * 2  # one block of every layer: 2 MiB
 
