@@ -395,15 +395,18 @@ def seal_address(src: Source, seal: Seal) -> int:
 def sealed(src: Source, seal: Seal, timeout_s: float = 1.0) -> bool:
     """Whether the producer's seal table still holds ``seal``'s word (read now, after the data: over cma
     one ``process_vm_readv``, over ucp one 8-byte GET, issued after the data's GETs completed); ``False``
-    whenever it cannot tell (no table, a failed read): then the release must confirm."""
+    whenever it cannot tell (no table, a failed read, ``timeout_s`` not positive: the load's deadline
+    already passed): then the release must confirm."""
     address = seal_address(src, seal)
     if not address:
         return False
     got = np.zeros(1, dtype=np.uint64)
     if src.lane == "cma":
         return _peek(src.pid, address, got) and int(got[0]) == seal[1]
+    if timeout_s <= 0:
+        return False
     if src.lane == "tcp":
-        return tcplane.seal_word(src.tcp, address) == seal[1]
+        return tcplane.seal_word(src.tcp, address, timeout_s) == seal[1]
     if src.seal_rkey < 0 or src.ep is None:
         return False
     one = np.ones(1, dtype=np.uint64)
@@ -460,10 +463,14 @@ def batch(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.n
 
 
 def read(src: Source, todo: Batch, timeout_s: float) -> int:
-    """Move ``todo`` (see :func:`batch`) in one call; raises on any failure (then nothing counts as loaded)."""
+    """Move ``todo`` (see :func:`batch`) in one call, whole by ``timeout_s`` from now however many bytes keep
+    moving (``ucp``, ``tcp``; ``cma`` copies memory, nothing there waits); raises on any failure (then
+    nothing counts as loaded)."""
+    if timeout_s <= 0:
+        raise TransferTimeout("the load's deadline passed before its read could start")
     if src.lane in STARTED:
         try:  # started and waited for: cma runs a read of 8 MiB or more in two pieces at once, tcp in streams
-            return int(start(src, todo, NO_SEAL).result()[0])
+            return int(start(src, todo, NO_SEAL, timeout_s).result()[0])
         except OSError as exc:
             where = f"{src.lane} read" + (f" from pid {src.pid}" if src.lane == "cma" else "")
             raise (TransferTimeout if isinstance(exc, TimeoutError) else PeerUnreachable)(f"{where}: {exc}") from None
@@ -476,16 +483,17 @@ def read(src: Source, todo: Batch, timeout_s: float) -> int:
         raise PeerUnreachable(f"one-sided read: {exc}") from None
 
 
-def start(src: Source, todo: Batch, seal: Seal) -> Any:
+def start(src: Source, todo: Batch, seal: Seal, timeout_s: float | None = None) -> Any:
     """Start ``todo`` on native threads (``cma``, ``tcp``), reading ``seal``'s word after the data: a
     :class:`kvbridge._core.CmaRead` or ``TcpRead`` whose ``result()`` is ``(bytes, word)`` (word 0: no
-    seal to read, or streams that disagree) or raises ``OSError``. Nothing waits here; see
+    seal to read, or streams that disagree) or raises ``OSError`` (``TimeoutError`` once a ``tcp`` read
+    is not over ``timeout_s`` after this call; default: its source's). Nothing waits here; see
     :meth:`Puller.start`."""
     mod, _ = native.load_core()
     assert mod is not None and src.lane in STARTED
     _drain_at_exit(mod)
     if src.lane == "tcp":
-        return src.tcp.start(todo.remote, todo.local, todo.lengths, seal_address(src, seal))
+        return src.tcp.start(todo.remote, todo.local, todo.lengths, seal_address(src, seal), timeout_s)
     return mod.cma_start(src.pid, todo.remote, todo.local, todo.lengths, seal_address=seal_address(src, seal))
 
 

@@ -47,7 +47,9 @@ class Settings:
     advertise: str = "127.0.0.1"  # what consumers dial
     port: int = 0  # 0: a free port per worker
     streams: int = 4  # connections a consumer reads one load over
-    timeout_s: float = 10.0  # each socket wait, both sides
+    # consumer: a read is over by its start + timeout_s, whole; producer: each request answered by its
+    # arrival + timeout_s (and the hello by the accept's); bytes that keep trickling in do not extend either
+    timeout_s: float = 10.0
 
 
 def why_not() -> str:
@@ -109,12 +111,13 @@ def connect(transport: dict[str, bytes], settings: Settings) -> Any:
     return mod.TcpSource(_numeric(host), int(port), secret, streams=settings.streams, timeout_s=settings.timeout_s)
 
 
-def seal_word(source: Any, address: int) -> int:
+def seal_word(source: Any, address: int, timeout_s: float | None = None) -> int:
     """The word at ``address`` of the producer's seal table, read now over ``source`` (a request of no
-    bytes); 0 when it cannot be read (then the release must confirm)."""
+    bytes) within ``timeout_s`` (default: the source's); 0 when it cannot be read (then the release must
+    confirm)."""
     none = np.zeros(0, dtype=np.uint64)
     try:
-        return int(source.start(none, none, none, address).result()[1])
+        return int(source.start(none, none, none, address, timeout_s).result()[1])
     except OSError as exc:
         log.info("reading the seal over tcp failed (%s): the release confirms", exc)
         return 0

@@ -2,7 +2,7 @@
  * tcp_serve.c) straight into this process's memory over several TCP streams at once (wire: tcp.h).
  *
  *   TcpSource(host, port, secret, *, streams=4, timeout_s=10)
- *     .start(remote, local, lengths, seal_address=0) -> TcpRead  (.result() -> (bytes, seal word))
+ *     .start(remote, local, lengths, seal_address=0, timeout_s=None) -> TcpRead  (.result() -> (bytes, seal word))
  *     .close()
  *
  * A read's descriptors are merged where they continue each other on both sides, then cut into `streams`
@@ -11,7 +11,7 @@
  * Connections stay open between reads (a connect and hello cost round trips per load otherwise) and are
  * dropped after any failure, so a read after a cut link or a restarted producer starts on fresh ones.
  *
- * The deadline: a read is over by its start + timeout_s, whole — connecting, the hello, every stream's
+ * The deadline: a read is over by its start + timeout_s (start()'s, else the source's), whole — connecting, the hello, every stream's
  * request, data and seal word — however many bytes keep arriving before then (a link that trickles fails
  * as a dead one does; a per-wait bound would let it run for hours).  A stream that fails (its deadline, a
  * reset, a refusal) shuts its siblings' sockets down, so the read ends with its first failure rather than
@@ -433,10 +433,14 @@ static int plan(TcpReadObject *r, int streams) {
 }
 
 static PyObject *source_start(TcpSourceObject *s, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"remote", "local", "lengths", "seal_address", NULL};
-    PyObject *ro, *lo, *no;
+    static char *kwlist[] = {"remote", "local", "lengths", "seal_address", "timeout_s", NULL};
+    PyObject *ro, *lo, *no, *to = Py_None;
     unsigned long long seal = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|K", kwlist, &ro, &lo, &no, &seal)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|KO", kwlist, &ro, &lo, &no, &seal, &to)) return NULL;
+    double timeout_s = s->timeout_s;
+    if (to != Py_None && (timeout_s = PyFloat_AsDouble(to)) == -1.0 && PyErr_Occurred()) return NULL;
+    if (!(timeout_s > 0) || timeout_s > 1e7)
+        return PyErr_Format(PyExc_ValueError, "TcpSource.start: timeout_s must be a positive number of seconds");
     if (s->closed) return PyErr_Format(PyExc_ValueError, "TcpSource.start: the source is closed");
     TcpReadObject *r = (TcpReadObject *)kv_new(&TcpReadType, NULL);
     if (!r) return NULL;
@@ -444,7 +448,7 @@ static PyObject *source_start(TcpSourceObject *s, PyObject *args, PyObject *kw) 
     Py_INCREF(s);
     r->src = s;
     r->seal_address = seal;
-    r->until = tcp_now() + s->timeout_s; /* the whole read, from now */
+    r->until = tcp_now() + timeout_s; /* the whole read, from now */
     if (descs_parse(&r->base.job.d, ro, lo, no, NULL) < 0 || plan(r, s->streams) < 0) {
         Py_DECREF(r);
         return NULL;
@@ -463,8 +467,9 @@ static PyObject *source_start(TcpSourceObject *s, PyObject *args, PyObject *kw) 
 
 static PyMethodDef source_methods[] = {
     {"start", (PyCFunction)(void (*)(void))source_start, METH_VARARGS | METH_KEYWORDS,
-     "start(remote, local, lengths, seal_address=0) -> TcpRead: the descriptors read over `streams` connections "
-     "at once into this process's memory, then the seal word"},
+     "start(remote, local, lengths, seal_address=0, timeout_s=None) -> TcpRead: the descriptors read over `streams` "
+     "connections at once into this process's memory, then the seal word; the whole read fails once timeout_s "
+     "(default: the source's) passed since this call"},
     {"close", (PyCFunction)source_close, METH_NOARGS, "close(): drop the idle connections; no read starts after"},
     {NULL}};
 
