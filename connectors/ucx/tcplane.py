@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge import native
+from kvbridge import native, routable
 from kvbridge.errors import PeerUnreachable
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,14 @@ def _numeric(host: str) -> str:
         return str(infos[0][4][0])
 
 
+def _listen_address(host: str) -> str:
+    """Where a server for ``host`` binds: a wildcard stays one (``::`` takes IPv4 too where the system's
+    ``bindv6only`` is off, as by default), anything else as a numeric address."""
+    if routable.is_wildcard(host):
+        return "::" if host.strip("[]") == "::" else "0.0.0.0"  # noqa: S104 - a wildcard asked for
+    return _numeric(host)
+
+
 class Server:
     """A producer worker's TCP server over its KV ``regions`` and seal table ``seals`` (address, bytes)."""
 
@@ -78,7 +86,7 @@ class Server:
         mod, _ = native.load_core()
         assert mod is not None
         self.secret = secrets.token_bytes(32)
-        host = "0.0.0.0" if settings.host in ("", "0.0.0.0") else _numeric(settings.host)  # noqa: S104 - asked for
+        host = _listen_address(settings.host)
         self._server: Any = mod.TcpServer(host, settings.port, regions, self.secret, seals=seals,
                                           timeout_s=settings.timeout_s, idle_s=IDLE_S)
         self.address = f"{settings.advertise}:{self._server.port}"
