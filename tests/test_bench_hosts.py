@@ -1,14 +1,17 @@
 """``kvbridge bench hosts``: every row moves real bytes between two emulated hosts and checks them (a row
-whose bytes differ raises, so its record says "not measured"); needs root (skips, saying why)."""
+whose bytes differ raises, so its record says "not measured"); a child that hangs fails its row in time.
+Needs root (skips, saying why)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
 
 from kvbridge.bench import hosts as bench_hosts  # noqa: E402
-from kvbridge.testing.hosts import unavailable  # noqa: E402
+from kvbridge.testing.hosts import EmulatedHosts, unavailable  # noqa: E402
 
 
 def test_rows_across_hosts_measure_checked_bytes() -> None:
@@ -28,3 +31,24 @@ def test_cli_refuses_unknown_rows(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         bench_hosts.main(["--rows", "carrier-pigeon"])
     assert "carrier-pigeon" in capsys.readouterr().err
+
+
+def test_a_silent_child_is_killed_and_its_row_fails_saying_why() -> None:
+    """A child that hangs (here one that sleeps instead of answering) is killed at its deadline and its row
+    reported failed with the reason and its stderr: the bench never waits on a child for good."""
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    with EmulatedHosts(2) as (a, _):
+        child = bench_hosts._Proc(a, ["-c", "import sys, time; print('napping', file=sys.stderr, flush=True); "
+                                            "time.sleep(600)"], timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(bench_hosts.Hung, match="sleeper: no answer within 1s, killed") as err:
+            child.line("sleeper")
+        assert time.monotonic() - t0 < 10 and child.proc.poll() is not None  # killed, not left behind
+        assert "napping" in str(err.value)
+        child.close()
+    # through run(): a child given less time than any child needs to start is a row that failed
+    records = bench_hosts.run([32], ["none"], ["tcp:1"], reps=1, rounds=2, shape="tiny", child_timeout_s=0.01)
+    assert len(records) == 1 and "gbps" not in records[0], records
+    assert records[0]["note"].startswith("failed: tcp sender: no answer within 0.01s, killed"), records

@@ -7,7 +7,8 @@ process loads again, bit-exact. Needs root (skips, saying why, without).
 
 The producer (host A) sends through a link capped at ``RATE`` so that the load below lasts long enough
 to be cut in the middle; the consumer runs on host B; both are tests/helpers/ucx_fault_peer.py processes
-(64 KiB per block).
+(64 KiB per block). A link that trickles (capped at ``TRICKLE_RATE``: bytes keep arriving, every wait on
+the socket succeeds) fails the load by ``timeout_s`` from its start all the same, on every lane.
 """
 
 from __future__ import annotations
@@ -102,6 +103,45 @@ def test_producer_host_crash_mid_load_then_restarted(hosts: list[Host], tmp_path
         a.set_rate(None)
         producer = _producer(a, tmp_path / "p2")
         _loads_again(producer, consumer, "restarted")
+        producer.wait_released(10)
+    finally:
+        assert consumer.close() == 0
+        producer.close()
+
+
+TRICKLE_RATE = "2mbit"
+TRICKLE_TOKENS = 16 * 512 + 3  # 32 MiB: over two minutes at TRICKLE_RATE
+# the load's deadline, then the aborted release, whose answer may queue behind what the capped link still
+# holds (the metadata client's deadline: timeout_s / 2 a try, one retry), and a loaded machine's slack
+TRICKLE_WITHIN_S = 2 * TIMEOUT_S + 2.0
+
+
+@pytest.mark.parametrize("lane", ["auto", "ucp", "two-sided"])
+def test_a_trickling_link_fails_the_load_by_its_deadline(hosts: list[Host], tmp_path: Path, lane: str) -> None:
+    """``timeout_s`` bounds the whole load, not each wait: at a trickle the 32 MiB load would take minutes,
+    yet it is reported within the deadline, every block failed and none counted (two-sided: the blocks not
+    in by then); with the rate restored the same consumer loads bit-exact and the producer holds nothing
+    (the aborted release, else the lease)."""
+    a, b = hosts
+    producer = hp.HostPeer(a, "producer", tmp_path / "p", "--lease", str(LEASE_S), "--num-blocks", "768")
+    consumer = hp.HostPeer(b, "consumer", tmp_path / "c", "--num-blocks", "768", "--timeout", str(TIMEOUT_S),
+                           "--lane", lane)
+    try:
+        _loads_again(producer, consumer, "warm")  # handshaken at full speed: what follows is the load alone
+        producer.wait_released(10)
+        a.set_rate(TRICKLE_RATE)
+        params, _ = producer.prefill("slow", TRICKLE_TOKENS, seed=5)
+        assert consumer.ask(op="begin", rid="slow", tokens=TRICKLE_TOKENS, seed=5, params=params)["started"] > 0
+        got = consumer.ask(op="end", rid="slow", wait=TRICKLE_WITHIN_S + 10, timeout=TRICKLE_WITHIN_S + 30)
+        assert "error" not in got, got  # reported (failed), not left hanging
+        if lane == "two-sided":  # whole chunks that arrived before the deadline count there; the rest fail
+            assert 0 < got["failed"] <= hp.full_blocks(TRICKLE_TOKENS), got
+        else:  # one-sided: all or nothing
+            assert got["loaded"] == 0 and got["failed"] == hp.full_blocks(TRICKLE_TOKENS), got
+        assert got["seconds"] < TRICKLE_WITHIN_S, got
+        a.set_rate(None)
+        producer.wait_released(LEASE_S + 10)
+        _loads_again(producer, consumer, "after")
         producer.wait_released(10)
     finally:
         assert consumer.close() == 0

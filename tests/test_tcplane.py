@@ -5,13 +5,17 @@ Every read is scattered (blocks in reverse order into consecutive slots) and che
 compares every word with the producer's pattern, and its sha256 with the one the producer computes over
 the same blocks. Refusals (ranges outside the registered KV, a wrong secret) serve no byte. Faults (the
 producer killed, the link down or dropped by nftables, the reader killed) end the read within its
-timeout_s without counting anything, and the same reader loads again once the link is back.
+timeout_s without counting anything, and the same reader loads again once the link is back. A link that
+keeps trickling bytes (every socket wait succeeds) ends the read at its start + timeout_s all the same,
+and a consumer that reads at a trickle costs the producer its serving threads by the producer's own
+timeout_s: on loopback through a throttling relay, and across hosts with the link capped.
 
-Peers: tests/helpers/tcp_peer.py.
+Peers: tests/helpers/tcp_peer.py; the relay: tests/helpers/throttle.py.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import queue
 import subprocess
@@ -27,6 +31,8 @@ from kvbridge import native
 
 if native.load_core()[0] is None or not hasattr(native.load_core()[0], "TcpServer"):
     pytest.skip(f"kvbridge._core with the tcp lane: {native.load_core()[1]}", allow_module_level=True)
+
+from throttle import Throttle  # noqa: E402 - tests/helpers, on sys.path by conftest
 
 from kvbridge.testing.hosts import Host  # noqa: E402
 
@@ -201,4 +207,88 @@ def test_a_reader_killed_mid_read_costs_the_producer_a_socket(hosts: list[Host])
         finally:
             other.close()
     finally:
+        producer.close()
+
+
+TRICKLE_BLOCKS = 1024  # 64 MiB: through the throttled relay (16 KiB per 10 ms per stream) over 10 s
+SLACK_S = 1.5  # a loaded machine's lateness past a deadline
+
+
+def _serving_ends(producer: Peer, within_s: float) -> float:
+    """Seconds until the producer has no serving thread left; fails past ``within_s``."""
+    t0 = time.monotonic()
+    while producer.ask(op="stats")["serving"]:
+        assert time.monotonic() - t0 < within_s, f"the producer still serves after {within_s}s"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _relayed(reader_timeout: float, producer_timeout: float) -> tuple[Peer, Throttle, Peer, dict[str, Any]]:
+    producer = Peer("serve", "--bytes", str(TRICKLE_BLOCKS * BLOCK), "--timeout", str(producer_timeout))
+    info = producer.line()
+    relay = Throttle(("127.0.0.1", info["port"]))
+    reader = Peer("read", "--port", str(relay.port), "--secret", info["secret"], "--timeout", str(reader_timeout))
+    return producer, relay, reader, info
+
+
+def test_a_trickling_link_fails_the_read_at_its_deadline() -> None:
+    """timeout_s bounds the whole read, not each wait: bytes keep arriving, yet the read fails at its start +
+    timeout_s, its connections are dropped (the producer's threads end with them), and the next read of the
+    same source opens fresh ones and is bit-exact. The producer's own deadline is far off here."""
+    producer, relay, reader, info = _relayed(TIMEOUT_S, 120.0)
+    try:
+        _read_all(producer, reader, info, 4)  # connected at full speed (one stream)
+        relay.trickle = True
+        got = reader.ask(address=info["address"], block=BLOCK, order=list(range(TRICKLE_BLOCKS))[::-1], timeout=60)
+        assert got.get("errno") == errno.ETIMEDOUT and "deadline" in got["error"], got
+        assert TIMEOUT_S - 0.1 < got["seconds"] < TIMEOUT_S + SLACK_S, got  # at the deadline, not per wait
+        _serving_ends(producer, 5.0)  # the reader closed them: never given back mid-message
+        relay.trickle = False
+        before = relay.accepted
+        _read_all(producer, reader, info, TRICKLE_BLOCKS)
+        assert relay.accepted == before + 4  # every stream on a fresh connection
+    finally:
+        reader.close()
+        relay.close()
+        producer.close()
+
+
+def test_a_trickling_consumer_costs_the_producer_its_threads_by_its_deadline() -> None:
+    """The producer answers each request by its arrival + its own timeout_s: a consumer that reads at a
+    trickle (with a far deadline of its own) does not keep a serving thread past that."""
+    producer, relay, reader, info = _relayed(120.0, TIMEOUT_S)
+    try:
+        relay.trickle = True
+        reader.send(address=info["address"], block=BLOCK, order=list(range(TRICKLE_BLOCKS)))
+        deadline = time.monotonic() + 30
+        while producer.ask(op="stats")["serving"] < 4:  # the reader process is up and its requests are in
+            assert time.monotonic() < deadline, "the reader's streams never reached the producer"
+            time.sleep(0.02)
+        assert _serving_ends(producer, TIMEOUT_S + SLACK_S) > 0
+        got = reader.line(timeout=60)  # what was in flight trickles out, then the streams end short
+        assert "error" in got and got["seconds"] < 30, got
+        relay.trickle = False
+        _read_all(producer, reader, info, 64)
+    finally:
+        reader.close()
+        relay.close()
+        producer.close()
+
+
+TRICKLE_RATE = "2mbit"  # 512 blocks of 64 KiB (32 MiB) would take over two minutes
+
+
+def test_across_hosts_a_trickling_link_fails_the_read_at_its_deadline(hosts: list[Host]) -> None:
+    a, b = hosts
+    producer, reader, info = _pair(512 * BLOCK, a, b)
+    try:
+        _read_all(producer, reader, info, 2)  # connected
+        a.set_rate(TRICKLE_RATE)
+        got = reader.ask(address=info["address"], block=BLOCK, order=list(range(512))[::-1], timeout=60)
+        assert got.get("errno") == errno.ETIMEDOUT and got["seconds"] < TIMEOUT_S + SLACK_S, got
+        _serving_ends(producer, TIMEOUT_S + 5)
+        a.set_rate(None)
+        _read_all(producer, reader, info, 512)  # the same reader, bit-exact
+    finally:
+        reader.close()
         producer.close()

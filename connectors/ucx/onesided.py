@@ -10,16 +10,13 @@ and move them with the GIL released: :func:`read` in the calling thread, or :fun
 ``tcp``) on native threads that then read the seal word, so a consumer engine can start a read from its
 step and count it at its next poll. No staging copy, and the producer's Python does nothing per transfer.
 
-**Lanes** (option ``lane``):
+**Lanes** (option ``lane``; what ``auto`` takes: :func:`.lanes.auto`):
 
-- ``cma`` — same host: ``process_vm_readv`` of the descriptors, straight from the producer's memory
-  (what UCX's own cma transport does, but here a dead producer is an ``OSError``, never an abort).
-  Chosen by ``auto`` when the probe reads back: the consumer reads a random nonce at an address the
+- ``cma`` — same host: ``process_vm_readv`` straight from the producer's memory (a dead producer is an
+  ``OSError``, never an abort). The probe decides: the consumer reads a random nonce at an address the
   producer named, which proves same host, same pid namespace, permission, and the right process.
-- ``tcp`` — kvbridge's own TCP streams (:mod:`.tcplane`), C threads on both ends. ``auto`` takes it between
-  hosts for a host-memory KV when the producer offers it and UCX has no RDMA lane to the producer.
-- ``ucp`` — UCX RMA GET with *peer error handling* (a dead peer is an error): RDMA, CUDA memory, TCP
-  where asked for. ``auto`` takes it when neither ``cma`` nor ``tcp`` can be used.
+- ``tcp`` — kvbridge's own TCP streams (:mod:`.tcplane`), C threads on both ends: host-memory KV between hosts.
+- ``ucp`` — UCX RMA GET with *peer error handling* (a dead peer is an error): RDMA, CUDA memory, TCP where asked for.
 - ``ucp-unsafe`` — UCX GET with error handling off, which lets UCX choose cma itself. A producer killed
   mid-read can then abort the consumer (UCX 1.21) or complete the read "OK" with wrong bytes (1.22):
   documented opt-in only.
@@ -71,7 +68,7 @@ import time
 from typing import Any
 
 import numpy as np
-from kvbridge.connectors.ucx import cuda, tcplane
+from kvbridge.connectors.ucx import cuda, lanes, tcplane
 
 from kvbridge import native
 from kvbridge.errors import ConfigError, LayoutMismatch, PeerUnreachable, ProtocolError, TransferTimeout
@@ -161,11 +158,9 @@ _CTX: Any = None
 _CTX_LOCK = threading.Lock()
 
 
-# UCX's TCP transport has no one-sided GET: it emulates one with active messages, the producer answering
-# in segments of TCP_TX_SEG_SIZE (8 KiB by default) that the consumer receives in TCP_RX_SEG_SIZE ones.
-# 64 KiB on both sides cuts the sends, receives and progress rounds per byte eightfold; `kvbridge bench
-# hosts` measures the lane (a row with UCX_TCP_TX_SEG_SIZE=8k UCX_TCP_RX_SEG_SIZE=8k in its environment
-# shows UCX's default). Both sides must agree for the gain: producers and consumers run this same code.
+# UCX's TCP transport emulates GET with active messages in segments of TCP_TX_SEG_SIZE / TCP_RX_SEG_SIZE
+# (8 KiB by default); 64 KiB on both sides (which run this code) cuts sends, receives and progress rounds
+# per byte eightfold (`kvbridge bench hosts`; a row with UCX_TCP_TX_SEG_SIZE=8k shows UCX's default).
 TCP_CONFIG = {"TCP_TX_SEG_SIZE": "64k", "TCP_RX_SEG_SIZE": "64k"}
 
 
@@ -323,27 +318,28 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
     host_kv = t.get(MEMORY, b"host") == b"host" and layout.device_type == "cpu"
     address, _, slots = t.get(SEALS, b"0:0").decode().partition(":")
     seals = (int(address), int(slots or 0))
-    if lane in ("auto", "cma") and host_kv:
-        pid = int(t[PID])
-        if _probe(pid, t[PROBE]):
-            return Source("cma", addressing, num_blocks, pid=pid, seals=seals)
-        if lane == "cma":
-            raise PeerUnreachable(f"cma cannot read producer {theirs.engine_id} (pid {pid}): other host, "
-                                  "pid namespace or permission (ptrace scope)")
+    pid = int(t.get(PID, b"0"))
+    same_host = lane in ("auto", "cma") and host_kv and _probe(pid, t[PROBE])
+    if lane == "cma" and host_kv and not same_host:
+        raise PeerUnreachable(f"cma cannot read producer {theirs.engine_id} (pid {pid}): other host, "
+                              "pid namespace or permission (ptrace scope)")
     tcp_ok = host_kv and tcplane.offered(t)
     if lane == "tcp" and not tcp_ok:
         raise PeerUnreachable(f"producer {theirs.engine_id} offers no tcp lane" if host_kv else "lane 'tcp' moves host-memory KV only")
-    tcp_source = functools.partial(Source, "tcp", addressing, num_blocks, seals=seals)
-    if lane == "tcp" or (lane == "auto" and tcp_ok and WORKER not in t):
-        return tcp_source(tcp=tcplane.connect(t, tcp or tcplane.Settings()))
-    if WORKER not in t:
-        raise PeerUnreachable(f"producer {theirs.engine_id} registered no KV with UCX; no one-sided lane left")
-    ctx = context(tls)
-    ep = ctx.connect(t[WORKER], error_handling=lane != "ucp-unsafe")
-    try:
-        if lane == "auto" and tcp_ok and not {name for name, _ in ep.transports()} & cuda.RDMA_LANES:
-            ep.close(force=True)  # RDMA stays UCX's (a true one-sided GET); over TCP kvbridge's streams win
-            return tcp_source(tcp=tcplane.connect(t, tcp or tcplane.Settings()))
+    ctx = context(tls) if WORKER in t and not same_host and lane != "tcp" else None
+    ep = ctx.connect(t[WORKER], error_handling=lane != "ucp-unsafe") if ctx is not None else None
+    try:  # auto: the lanes UCX took to the producer decide between ucp and tcp (RDMA stays UCX's)
+        chosen = lane if lane != "auto" else lanes.auto(
+            "host" if host_kv else "cuda", same_host, None if ep is None else [n for n, _ in ep.transports()], tcp_ok)
+        if chosen in ("cma", "tcp") and ep is not None:
+            ep.close(force=True)
+            ep = None
+        if chosen == "cma" and same_host:
+            return Source("cma", addressing, num_blocks, pid=pid, seals=seals)
+        if chosen == "tcp":
+            return Source("tcp", addressing, num_blocks, seals=seals, tcp=tcplane.connect(t, tcp or tcplane.Settings()))
+        if ep is None or ctx is None:
+            raise PeerUnreachable(f"producer {theirs.engine_id} registered no KV with UCX; no one-sided lane left")
         memory = "cuda" if layout.device_type == "cuda" or t.get(MEMORY, b"host") != b"host" else "host"
         cuda.warn_once(cuda.get_path(memory, ep.transports(), ctx.config), theirs.engine_id)  # never silent
         regions = json.loads(t[RKEYS])
@@ -356,7 +352,8 @@ def open_source(theirs: PeerInfo, layout: KVLayout, lane: str, tls: str, cut: Cu
             layer_rkey[i] = index[hits[0]]
         seal_rkey = ep.add_rkey(bytes.fromhex(t[SEAL_RKEY].decode())) if SEAL_RKEY in t else -1
     except BaseException:
-        ep.close(force=True)
+        if ep is not None:
+            ep.close(force=True)
         raise
     return Source("ucp" if lane != "ucp-unsafe" else lane, addressing, num_blocks, ep=ep, layer_rkey=layer_rkey,
                   seals=seals, seal_rkey=int(seal_rkey))  # fmt: skip
@@ -395,7 +392,7 @@ def seal_address(src: Source, seal: Seal) -> int:
 def sealed(src: Source, seal: Seal, timeout_s: float = 1.0) -> bool:
     """Whether the producer's seal table still holds ``seal``'s word (read now, after the data: over cma
     one ``process_vm_readv``, over ucp one 8-byte GET, issued after the data's GETs completed); ``False``
-    whenever it cannot tell (no table, a failed read): then the release must confirm."""
+    whenever it cannot tell (no table, a failed read, no time left): then the release must confirm."""
     address = seal_address(src, seal)
     if not address:
         return False
@@ -403,8 +400,8 @@ def sealed(src: Source, seal: Seal, timeout_s: float = 1.0) -> bool:
     if src.lane == "cma":
         return _peek(src.pid, address, got) and int(got[0]) == seal[1]
     if src.lane == "tcp":
-        return tcplane.seal_word(src.tcp, address) == seal[1]
-    if src.seal_rkey < 0 or src.ep is None:
+        return timeout_s > 0 and tcplane.seal_word(src.tcp, address, timeout_s) == seal[1]
+    if src.seal_rkey < 0 or src.ep is None or timeout_s <= 0:
         return False
     one = np.ones(1, dtype=np.uint64)
     try:
@@ -460,10 +457,13 @@ def batch(src: Source, layout: KVLayout, mine: BlockAddressing, remote_ids: np.n
 
 
 def read(src: Source, todo: Batch, timeout_s: float) -> int:
-    """Move ``todo`` (see :func:`batch`) in one call; raises on any failure (then nothing counts as loaded)."""
+    """Move ``todo`` (see :func:`batch`) in one call, whole by ``timeout_s`` from now however the bytes trickle
+    (``cma`` copies memory: nothing waits there); raises on any failure (then nothing counts as loaded)."""
+    if timeout_s <= 0:
+        raise TransferTimeout("the load's deadline passed before its read could start")
     if src.lane in STARTED:
         try:  # started and waited for: cma runs a read of 8 MiB or more in two pieces at once, tcp in streams
-            return int(start(src, todo, NO_SEAL).result()[0])
+            return int(start(src, todo, NO_SEAL, timeout_s).result()[0])
         except OSError as exc:
             where = f"{src.lane} read" + (f" from pid {src.pid}" if src.lane == "cma" else "")
             raise (TransferTimeout if isinstance(exc, TimeoutError) else PeerUnreachable)(f"{where}: {exc}") from None
@@ -476,16 +476,16 @@ def read(src: Source, todo: Batch, timeout_s: float) -> int:
         raise PeerUnreachable(f"one-sided read: {exc}") from None
 
 
-def start(src: Source, todo: Batch, seal: Seal) -> Any:
+def start(src: Source, todo: Batch, seal: Seal, timeout_s: float | None = None) -> Any:
     """Start ``todo`` on native threads (``cma``, ``tcp``), reading ``seal``'s word after the data: a
     :class:`kvbridge._core.CmaRead` or ``TcpRead`` whose ``result()`` is ``(bytes, word)`` (word 0: no
-    seal to read, or streams that disagree) or raises ``OSError``. Nothing waits here; see
-    :meth:`Puller.start`."""
+    seal to read, or streams that disagree) or raises ``OSError`` (``TimeoutError``: a ``tcp`` read not
+    over ``timeout_s`` after this call, default its source's). Nothing waits here; see :meth:`Puller.start`."""
     mod, _ = native.load_core()
     assert mod is not None and src.lane in STARTED
     _drain_at_exit(mod)
     if src.lane == "tcp":
-        return src.tcp.start(todo.remote, todo.local, todo.lengths, seal_address(src, seal))
+        return src.tcp.start(todo.remote, todo.local, todo.lengths, seal_address(src, seal), timeout_s)
     return mod.cma_start(src.pid, todo.remote, todo.local, todo.lengths, seal_address=seal_address(src, seal))
 
 

@@ -29,7 +29,10 @@ class UcxOptions:
     - ``metadata_port``: 0 = a free port per worker, published in ``registry_dir``; N = rank r listens on N+r.
     - ``registry_dir``: where workers publish their metadata address for their scheduler
       (default: ``$TMPDIR/kvbridge-ucx-<uid>``).
-    - ``timeout_s``: a transfer step (handshake, status, each chunk) without progress for this long fails.
+    - ``timeout_s``: each step of a load must be over this long after it began: the handshake, the load's
+      data (a one-sided read with its seal word, a two-sided pull's status and chunks: whole, however many
+      bytes keep arriving), the release; else the load's blocks fail. The ``tcp`` lane's producer answers
+      each request within it. See :mod:`kvbridge.connectors.ucx.puller`.
     - ``lease_s``: a producer frees a request's blocks this long after it finished if no release came
       (default 480 s, what vLLM's NIXL connector gives a consumer before it aborts; a consumer that comes
       later recomputes, and says so once at warning level, counted in ``refused_handoffs``).

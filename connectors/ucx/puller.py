@@ -17,9 +17,13 @@ visible share of a small hand-off (bench case ucx `transfer`, 8 MiB). Everything
 confirming release when no seal is in place, a failure's clean-up) runs on the worker's IO threads
 (:class:`~kvbridge.lifecycle.Transfers`).
 
-Every wait has a deadline (``timeout_s`` without progress); a dead, unreachable or refusing producer
-ends the load with its missing blocks failed (the engine recomputes them), never a hang. After a
-failure that may leave stale state, the peer is dropped and handshaken anew next time.
+Every wait has a deadline. A load's data — a one-sided read with its seal word, a re-sliced load's reads
+from every producer rank, a two-sided pull's status and chunks — must be in by ``timeout_s`` after it
+began, however many bytes keep arriving meanwhile (a link that trickles fails the load as a dead one
+does); the handshake before it and the release after it have deadlines of their own (the metadata
+client's). A dead, unreachable, refusing or too slow producer ends the load with its missing blocks
+failed (the engine recomputes them), never a hang. After a failure that may leave stale state, the peer
+is dropped and handshaken anew next time.
 """
 
 from __future__ import annotations
@@ -70,12 +74,13 @@ class _Peer:
         self.client.close()
 
 
-def _wait(fut: concurrent.futures.Future[Any], timeout: float, what: str, producer: str) -> None:
-    """Wait for one posted receive; every way it can fail becomes a kvbridge error."""
+def _wait(fut: concurrent.futures.Future[Any], until: float, what: str, producer: str) -> None:
+    """Wait for one posted receive until ``until`` (``time.monotonic()``); every way it can fail becomes a
+    kvbridge error."""
     try:
-        fut.result(timeout)
+        fut.result(max(0.0, until - time.monotonic()))
     except concurrent.futures.TimeoutError:
-        raise TransferTimeout(f"{what}: nothing from {producer} for {timeout:g}s") from None
+        raise TransferTimeout(f"{what} from {producer} not in by the load's deadline (timeout_s)") from None
     except rtmod.ucx.exceptions.UCXMessageTruncatedError:  # more bytes than asked: never scattered
         raise ProtocolError(f"{what} from {producer} is larger than its blocks") from None
     except rtmod.ucx.exceptions.UCXError as exc:
@@ -243,16 +248,18 @@ class Puller:
         """One-sided: read every block straight into the KV, then count them only if the producer confirms
         it held them throughout (see :mod:`kvbridge.connectors.ucx.onesided`). All or nothing."""
         assert peer.source is not None
-        t0 = time.perf_counter()
+        t0, timeout = time.perf_counter(), self.options.timeout_s
+        until = time.monotonic() + timeout  # the data and the seal word, whole, however they trickle
         word = -1
         try:
             if peer.source.lane == "tcp":  # the seal word comes back with the data: no second request
-                word = int(onesided.start(peer.source, self._batch(peer.source, op, src), src.seal).result()[1])
+                batch = self._batch(peer.source, op, src)
+                word = int(onesided.start(peer.source, batch, src.seal, timeout).result()[1])
             else:
-                self._read_blocks(peer.source, op, src)
+                self._read_blocks(peer.source, op, src, timeout_s=timeout)
         except Exception as exc:  # noqa: BLE001 - nothing counts; the producer frees its blocks
             return self._read_failed(address, op, src, peer, exc)
-        if (word == src.seal[1] != 0) or (word < 0 and onesided.sealed(peer.source, src.seal, self.options.timeout_s)):
+        if (word == src.seal[1] != 0) or (word < 0 and onesided.sealed(peer.source, src.seal, until - time.monotonic())):
             return self._sealed_read(address, peer.source.lane, op, src, t0)
         return self._confirm(address, peer, op, src, t0)
 
@@ -295,6 +302,7 @@ class Puller:
         since other ranks of ours may be reading the same producer rank: the scheduler releases every
         producer rank once all of ours report."""
         t0, sealed, lane = time.perf_counter(), True, ""
+        until = time.monotonic() + self.options.timeout_s  # one deadline for the reads from every rank
         try:
             theirs, cuts = reslice(self.layout.fingerprint, self.engine.rank, self.engine.world_size, src.ranks)
             for q, cut in cuts.items():
@@ -303,11 +311,12 @@ class Puller:
                 assert peer.source is not None
                 lane = peer.source.lane
                 try:
-                    self._read_blocks(peer.source, op, src, self.addressing.narrowed(cut.dst, cut.length))
+                    self._read_blocks(peer.source, op, src, self.addressing.narrowed(cut.dst, cut.length),
+                                      until - time.monotonic())
                 except BaseException:
                     self._drop(address)  # a dead or restarted producer: handshake anew next time
                     raise
-                if onesided.sealed(peer.source, src.seal, self.options.timeout_s):
+                if onesided.sealed(peer.source, src.seal, until - time.monotonic()):
                     continue
                 sealed = False
                 if not peer.client.confirm(self.engine.engine_id, src.remote_request_id, grant=src.grant):
@@ -329,9 +338,11 @@ class Puller:
         self.stats.add(load_bytes=nbytes, load_blocks=len(op.block_ids), load_seconds=time.perf_counter() - t0,
                        sealed_loads=int(sealed), **{LANE_COUNTERS.get(lane, "lane_ucp_loads"): 1})
 
-    def _read_blocks(self, source: onesided.Source, op: BlockLoad, src: UcxSource, mine: BlockAddressing | None = None) -> None:
-        """The read itself, after the checks that make it safe to start; raises on any failure."""
-        onesided.read(source, self._batch(source, op, src, mine), self.options.timeout_s)
+    def _read_blocks(self, source: onesided.Source, op: BlockLoad, src: UcxSource, mine: BlockAddressing | None = None,
+                     timeout_s: float | None = None) -> None:
+        """The read itself, after the checks that make it safe to start, whole within ``timeout_s`` (default:
+        the option); raises on any failure."""
+        onesided.read(source, self._batch(source, op, src, mine), self.options.timeout_s if timeout_s is None else timeout_s)
 
     def _batch(self, source: onesided.Source, op: BlockLoad, src: UcxSource, mine: BlockAddressing | None = None) -> onesided.Batch:
         """``op``'s descriptors, once the checks that make the read safe to start passed (raises if not)."""
@@ -403,6 +414,7 @@ class Puller:
         n_chunks = -(-len(remote) // per)
         serial = self.rt.next_serial()
         ep, t0 = peer.ep, time.perf_counter()
+        until = time.monotonic() + timeout  # the whole pull: status and every chunk, however they trickle in
         status = np.zeros(wire.STATUS_BYTES, dtype=np.uint8)
         bufs = [self._staging.take(min(per, len(remote))) for _ in range(min(self.options.max_inflight, n_chunks))]
         futures: dict[int, concurrent.futures.Future[Any]] = {}
@@ -422,10 +434,10 @@ class Puller:
                 self.rt.call(ep.send(np.frombuffer(pull.encode(), dtype=np.uint8), tag=tag, force_tag=True), timeout)
             except rtmod.ucx.exceptions.UCXError as exc:  # e.g. the producer died since the handshake
                 raise PeerUnreachable(f"pull to {src.engine_id}: {exc}") from None
-            _wait(status_fut, timeout, "status", src.engine_id)
+            _wait(status_fut, until, "status", src.engine_id)
             self._check_status(status, src, n_chunks, len(remote))
             for i in range(n_chunks):
-                _wait(futures.pop(i), timeout, f"chunk {i + 1}/{n_chunks}", src.engine_id)
+                _wait(futures.pop(i), until, f"chunk {i + 1}/{n_chunks}", src.engine_id)
                 n = min(per, len(remote) - i * per)
                 view = chunk(bufs[i % len(bufs)], layout, n)
                 layout.scatter(op.block_ids[arrived[0]:arrived[0] + n], view)

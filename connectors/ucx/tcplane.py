@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge import native
+from kvbridge import native, routable
 from kvbridge.errors import PeerUnreachable
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,9 @@ class Settings:
     advertise: str = "127.0.0.1"  # what consumers dial
     port: int = 0  # 0: a free port per worker
     streams: int = 4  # connections a consumer reads one load over
-    timeout_s: float = 10.0  # each socket wait, both sides
+    # consumer: a read is over by its start + timeout_s, whole; producer: each request answered by its
+    # arrival + timeout_s (and the hello by the accept's); bytes that keep trickling in do not extend either
+    timeout_s: float = 10.0
 
 
 def why_not() -> str:
@@ -69,6 +71,14 @@ def _numeric(host: str) -> str:
         return str(infos[0][4][0])
 
 
+def _listen_address(host: str) -> str:
+    """Where a server for ``host`` binds: a wildcard stays one (``::`` takes IPv4 too where the system's
+    ``bindv6only`` is off, as by default), anything else as a numeric address."""
+    if routable.is_wildcard(host):
+        return "::" if host.strip("[]") == "::" else "0.0.0.0"  # noqa: S104 - a wildcard asked for
+    return _numeric(host)
+
+
 class Server:
     """A producer worker's TCP server over its KV ``regions`` and seal table ``seals`` (address, bytes)."""
 
@@ -76,7 +86,7 @@ class Server:
         mod, _ = native.load_core()
         assert mod is not None
         self.secret = secrets.token_bytes(32)
-        host = "0.0.0.0" if settings.host in ("", "0.0.0.0") else _numeric(settings.host)  # noqa: S104 - asked for
+        host = _listen_address(settings.host)
         self._server: Any = mod.TcpServer(host, settings.port, regions, self.secret, seals=seals,
                                           timeout_s=settings.timeout_s, idle_s=IDLE_S)
         self.address = f"{settings.advertise}:{self._server.port}"
@@ -109,12 +119,13 @@ def connect(transport: dict[str, bytes], settings: Settings) -> Any:
     return mod.TcpSource(_numeric(host), int(port), secret, streams=settings.streams, timeout_s=settings.timeout_s)
 
 
-def seal_word(source: Any, address: int) -> int:
+def seal_word(source: Any, address: int, timeout_s: float | None = None) -> int:
     """The word at ``address`` of the producer's seal table, read now over ``source`` (a request of no
-    bytes); 0 when it cannot be read (then the release must confirm)."""
+    bytes) within ``timeout_s`` (default: the source's); 0 when it cannot be read (then the release must
+    confirm)."""
     none = np.zeros(0, dtype=np.uint64)
     try:
-        return int(source.start(none, none, none, address).result()[1])
+        return int(source.start(none, none, none, address, timeout_s).result()[1])
     except OSError as exc:
         log.info("reading the seal over tcp failed (%s): the release confirms", exc)
         return 0

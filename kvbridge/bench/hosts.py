@@ -29,8 +29,10 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
 network namespace, loopback only, each pod its own pid, uts, IPC and mount namespaces); no caps.
 
 Every timed transfer starts with the CPU caches cold (:mod:`kvbridge.bench.cold`; on one node both ends
-share the last-level cache). Rows rotate between rounds (the machine's load drifts); each row reports the median of all its samples
-and the range of its per-round medians. UCX settings come from the environment (``UCX_TCP_TX_SEG_SIZE``,
+share the last-level cache). Rows rotate between rounds (the machine's load drifts); each row reports the
+median of all its samples and the range of its per-round medians. A child that says nothing for
+``--child-timeout`` seconds (a hang) is killed and its row reported failed, with the reason and the tail of
+its stderr. UCX settings come from the environment (``UCX_TCP_TX_SEG_SIZE``,
 ``UCX_TCP_RX_SEG_SIZE`` ...), which every child inherits; the report names the ``UCX_`` variables set.
 """
 
@@ -39,10 +41,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -58,26 +62,55 @@ DEFAULT_ROWS = ROWS[:-1]
 CAPS = ("none", "25gbit", "10gbit")
 _PEER_ROWS = {"ucp-get": "ucp-get:tcp", "nixl": "nixl:tcp", "mooncake": "mooncake:tcp", "cma": "cma"}
 _ENV = {"UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
+# The longest a child may stay silent: its start (imports, a producer's KV), a warm-up and the reps of one
+# point at the slowest cap (a 128 MiB point at 10gbit takes well under a second a rep).
+CHILD_TIMEOUT_S = 300.0
+
+
+class Hung(Unavailable):
+    """A child said nothing within its deadline and was killed: its row failed (not "not installed")."""
 
 
 class _Proc:
-    """A child on a host speaking ``@@`` JSON lines."""
+    """A child on a host speaking ``@@`` JSON lines, read by a thread so that every wait has a deadline."""
 
-    def __init__(self, host: Host, argv: Sequence[str], python: bool = True):
+    def __init__(self, host: Host, argv: Sequence[str], timeout_s: float = CHILD_TIMEOUT_S, python: bool = True):
         self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = host.popen([sys.executable, *argv] if python else list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.timeout_s = timeout_s
+        self.proc = host.popen([sys.executable, *argv] if python else list(argv), stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE,
                                stderr=self.err, text=True, env={**os.environ, **_ENV})
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, name=f"bench-child-{self.proc.pid}", daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        try:
+            for line in self.proc.stdout:
+                if line.startswith("@@") or line.startswith("{"):
+                    self._lines.put(line.removeprefix("@@"))
+        except (OSError, ValueError):  # the pipe closed under us (close() after a hang)
+            pass
+        self._lines.put(None)
+
+    def _stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()[-400:]
 
     def line(self, what: str) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("@@") or line.startswith("{"):
-                msg = dict(json.loads(line.removeprefix("@@")))
-                if "error" in msg:
-                    raise Unavailable(f"{what}: {msg['error']}")
-                return msg
-        self.err.seek(0)
-        raise Unavailable(f"{what} exited (rc {self.proc.wait()}): {self.err.read()[-400:]}")
+        """The child's next message; :class:`Hung` (the child killed) if none comes within ``timeout_s``."""
+        try:
+            got = self._lines.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise Hung(f"{what}: no answer within {self.timeout_s:g}s, killed; stderr: {self._stderr()!r}") from None
+        if got is None:
+            raise Unavailable(f"{what} exited (rc {self.proc.wait()}): {self._stderr()}")
+        msg = dict(json.loads(got))
+        if "error" in msg:
+            raise Unavailable(f"{what}: {msg['error']}")
+        return msg
 
     def say(self, msg: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -95,16 +128,18 @@ class _Proc:
         self.err.close()
 
 
-def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "thread", lane: str = "auto") -> list[float]:
+def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "thread", lane: str = "auto",
+              timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
     from kvbridge.bench.ucx_baselines import _point_json
 
     with tempfile.TemporaryDirectory(prefix="kvbridge-hosts-bench-") as registry:
-        producer = _Proc(a, ["-m", "kvbridge.bench.ucx_baselines", "producer", registry, _point_json(point), progress_mode])
+        producer = _Proc(a, ["-m", "kvbridge.bench.ucx_baselines", "producer", registry, _point_json(point), progress_mode],
+                         timeout_s)
         consumer = None
         try:
             digest = producer.line("producer")["sha256"]
             consumer = _Proc(b, ["-m", "kvbridge.bench._host_child", "kvb-consumer", _point_json(point), str(reps),
-                                 progress_mode, digest, lane])
+                                 progress_mode, digest, lane], timeout_s)
             while True:
                 msg = consumer.line("consumer")
                 if "samples" in msg:
@@ -117,12 +152,12 @@ def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "t
             producer.close()
 
 
-def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int) -> list[float]:
-    sender = _Proc(a, ["-m", "kvbridge.bench._host_child", "tcp-send", str(nbytes), str(streams)])
+def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
+    sender = _Proc(a, ["-m", "kvbridge.bench._host_child", "tcp-send", str(nbytes), str(streams)], timeout_s)
     try:
         port = sender.line("tcp sender")["port"]
         receiver = _Proc(b, ["-m", "kvbridge.bench._host_child", "tcp-recv", a.address, str(port), str(nbytes),
-                             str(streams), str(reps)])
+                             str(streams), str(reps)], timeout_s)
         try:
             return [float(v) for v in receiver.line("tcp receiver")["samples"]]
         finally:
@@ -131,14 +166,14 @@ def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int) -> list[float]:
         sender.close()
 
 
-def _ctcp(a: Host, b: Host, nbytes: int, streams: int, reps: int) -> list[float]:
+def _ctcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
     exe = rawtcp.binary()
-    sender = _Proc(a, [exe, "send", str(nbytes), str(streams)], python=False)
+    sender = _Proc(a, [exe, "send", str(nbytes), str(streams)], timeout_s, python=False)
     try:
         port = sender.line("ctcp sender")["port"]
         evict_bytes = 0 if not cold.evicting() else 2 * cold.llc_bytes()
         receiver = _Proc(b, [exe, "recv", a.address, str(port), str(nbytes), str(streams), str(reps), str(evict_bytes)],
-                         python=False)
+                         timeout_s, python=False)
         try:
             return [float(v) for v in receiver.line("ctcp receiver")["samples"]]
         finally:
@@ -147,14 +182,15 @@ def _ctcp(a: Host, b: Host, nbytes: int, streams: int, reps: int) -> list[float]
         sender.close()
 
 
-def measure_row(row: str, a: Host, b: Host, point: Point, reps: int) -> list[float]:
-    """``reps`` timed transfers of ``point``'s bytes by ``row``, from host ``a`` to host ``b`` (seconds)."""
+def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
+    """``reps`` timed transfers of ``point``'s bytes by ``row``, from host ``a`` to host ``b`` (seconds);
+    :class:`Hung` when one of its children stays silent for ``timeout_s``."""
     if row.startswith("kvbridge"):
-        return _kvbridge(a, b, point, reps, lane=row.partition("-")[2] or "auto")
+        return _kvbridge(a, b, point, reps, lane=row.partition("-")[2] or "auto", timeout_s=timeout_s)
     if row.startswith("tcp:"):
-        return _tcp(a, b, point.nbytes, int(row.split(":")[1]), reps)
+        return _tcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s)
     if row.startswith("ctcp:"):
-        return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps)
+        return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s)
     name = _PEER_ROWS[row]
     why = peers.PEERS[name].missing()
     if why:
@@ -164,9 +200,11 @@ def measure_row(row: str, a: Host, b: Host, point: Point, reps: int) -> list[flo
 
 
 def run(tokens: Sequence[int], caps: Sequence[str], rows: Sequence[str], reps: int, rounds: int,
-        shape: str = "8b", log: Any = None, pods: bool = False) -> list[dict[str, Any]]:
+        shape: str = "8b", log: Any = None, pods: bool = False, child_timeout_s: float = CHILD_TIMEOUT_S) -> list[dict[str, Any]]:
     """Every row at every cap and size; rows rotated between rounds. One dict per (cap, tokens, row).
-    ``pods``: two pods on one node (one network, own pid and IPC namespaces) instead of two hosts."""
+    ``pods``: two pods on one node (one network, own pid and IPC namespaces) instead of two hosts. A row
+    whose child hangs (silent for ``child_timeout_s``) is not tried again at that point: its note says
+    ``failed:`` and why."""
     out: list[dict[str, Any]] = []
     for cap in ["pods"] if pods else caps:
         with EmulatedHosts(2, rate=None if cap in ("none", "pods") else cap, pods=pods) as (a, b):
@@ -179,9 +217,9 @@ def run(tokens: Sequence[int], caps: Sequence[str], rows: Sequence[str], reps: i
                         if row in notes:
                             continue
                         try:
-                            per_round[row].append(measure_row(row, a, b, point, reps))
+                            per_round[row].append(measure_row(row, a, b, point, reps, child_timeout_s))
                         except Unavailable as exc:
-                            notes[row] = f"not measured: {exc}"
+                            notes[row] = f"{'failed' if isinstance(exc, Hung) else 'not measured'}: {exc}"
                         if log:
                             print(f"  cap {cap} {t} tokens round {k + 1} {row}: "
                                   f"{notes.get(row) or _gbps(point.nbytes, per_round[row][-1])}", file=log, flush=True)
@@ -240,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed transfers per row and round (after one warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, rows rotated between them")
     ap.add_argument("--json", metavar="PATH", help="also write the records as JSON")
+    ap.add_argument("--child-timeout", type=float, default=CHILD_TIMEOUT_S,
+                    help="seconds a child may stay silent before its row is reported failed (default %(default)g)")
     args = ap.parse_args(argv)
     why = unavailable()
     if why:
@@ -247,15 +287,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     rows = _list(args.rows)
     bad = [r for r in rows if r not in ROWS and not _plain_tcp(r)]
-    if bad or args.reps < 1 or args.rounds < 1:
-        ap.error(f"unknown rows {bad} (known: {list(ROWS)})" if bad else "--reps and --rounds must be >= 1")
+    if bad or args.reps < 1 or args.rounds < 1 or not args.child_timeout > 0:
+        ap.error(f"unknown rows {bad} (known: {list(ROWS)})" if bad
+                 else "--reps and --rounds must be >= 1, --child-timeout > 0")
     tokens = [int(t) for t in _list(args.tokens)]
     ucx_env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_"))
     print(f"kvbridge bench hosts ({'two pods on one node' if args.pods else 'two hosts'}): Llama-3-8B KV, scattered "
           f"blocks; {args.rounds} rounds x {args.reps} reps; "
           f"{ucx_env or 'no UCX_ variables set'}", flush=True)
     t0 = time.perf_counter()
-    records = run(tokens, _list(args.caps), rows, args.reps, args.rounds, log=sys.stdout, pods=args.pods)
+    records = run(tokens, _list(args.caps), rows, args.reps, args.rounds, log=sys.stdout, pods=args.pods,
+                  child_timeout_s=args.child_timeout)
     print(table(records))
     print(f"({time.perf_counter() - t0:.0f} s; ratio: GB/s over the best plain-TCP row of the same cap and size)")
     if args.json:
@@ -269,4 +311,4 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["CAPS", "ROWS", "main", "measure_row", "run", "table"]
+__all__ = ["CAPS", "CHILD_TIMEOUT_S", "ROWS", "Hung", "main", "measure_row", "run", "table"]

@@ -19,8 +19,10 @@
  * older than the data; MSG_ZEROCOPY would break that: the NIC would read the pages later), or 0 when the
  * address is not a word of the seal table.
  *
- * Every socket operation waits with poll() and a deadline (tcp_wait); sockets are non-blocking, so no call
- * blocks without one, and a dead peer or a cut link ends in ETIMEDOUT or a reset, never a hang.
+ * Every socket operation waits with poll() until an absolute deadline (tcp_wait); sockets are non-blocking,
+ * so no call blocks without one.  The deadline bounds a whole exchange, not each wait: a consumer's read
+ * ends by its start + timeout_s, a producer's answer to one request by its arrival + timeout_s, so a dead
+ * peer, a cut link or a link that keeps trickling bytes ends in ETIMEDOUT or a reset, never a hang.
  */
 #ifndef KVB_TCP_H
 #define KVB_TCP_H
@@ -68,19 +70,20 @@ typedef struct {
 
 /* Seconds on CLOCK_MONOTONIC. */
 KVB_INTERNAL double tcp_now(void);
-/* Wait until fd is ready for `events` (POLLIN/POLLOUT), at most timeout_s: 0 (ready, or an error the next
- * call will report) or ETIMEDOUT. */
-KVB_INTERNAL int tcp_wait(int fd, short events, double timeout_s);
-/* Send or receive all of iov[0..n) (the array is consumed in place).  Each wait for the socket lasts at
- * most timeout_s: a transfer fails once that long passes without a byte moving.  Returns 0 or an errno
- * (ECONNRESET when the peer closed mid-message). */
-KVB_INTERNAL int tcp_sendv(int fd, struct iovec *iov, int n, double timeout_s);
-KVB_INTERNAL int tcp_recvv(int fd, struct iovec *iov, int n, double timeout_s);
-KVB_INTERNAL int tcp_send_all(int fd, const void *buf, size_t len, double timeout_s);
-KVB_INTERNAL int tcp_recv_all(int fd, void *buf, size_t len, double timeout_s);
+/* Wait until fd is ready for `events` (POLLIN/POLLOUT) or the deadline `until` (tcp_now() seconds) passes:
+ * 0 (ready, or an error the next call will report), ETIMEDOUT, or with POLLRDHUP in `events` ECONNRESET
+ * once the peer closed its side (what tcp_sendv waits with). */
+KVB_INTERNAL int tcp_wait(int fd, short events, double until);
+/* Send or receive all of iov[0..n) (the array is consumed in place) by the deadline `until`, however many
+ * bytes move before it: a link that trickles fails as a dead one does.  Returns 0 or an errno (ETIMEDOUT;
+ * ECONNRESET when the peer closed mid-message). */
+KVB_INTERNAL int tcp_sendv(int fd, struct iovec *iov, int n, double until);
+KVB_INTERNAL int tcp_recvv(int fd, struct iovec *iov, int n, double until);
+KVB_INTERNAL int tcp_send_all(int fd, const void *buf, size_t len, double until);
+KVB_INTERNAL int tcp_recv_all(int fd, void *buf, size_t len, double until);
 /* A connected, non-blocking TCP socket to a numeric address (no name lookup: it could block without a
- * deadline), TCP_NODELAY set; or -1 with *err set. */
-KVB_INTERNAL int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double timeout_s, int *err);
+ * deadline) by the deadline `until`, TCP_NODELAY set; or -1 with *err set. */
+KVB_INTERNAL int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double until, int *err);
 /* A numeric host and port as a socket address: 0, or EINVAL. */
 KVB_INTERNAL int tcp_address(const char *host, int port, struct sockaddr_storage *out, socklen_t *len);
 /* fd made non-blocking and TCP_NODELAY (headers are small and answered at once). */

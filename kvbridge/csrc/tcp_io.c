@@ -1,4 +1,4 @@
-/* The tcp lane's socket helpers (tcp.h): every wait is a poll() with a deadline. */
+/* The tcp lane's socket helpers (tcp.h): every wait is a poll() bounded by an absolute deadline. */
 #include "tcp.h"
 
 #include <arpa/inet.h>
@@ -18,15 +18,18 @@ double tcp_now(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-int tcp_wait(int fd, short events, double timeout_s) {
-    double until = tcp_now() + timeout_s;
+int tcp_wait(int fd, short events, double until) {
     for (;;) {
         double left = until - tcp_now();
         if (left <= 0) return ETIMEDOUT;
         struct pollfd p = {fd, events, 0};
         int r = poll(&p, 1, (int)(left * 1000.0) + 1);
         if (r < 0 && errno != EINTR) return errno;
-        if (r > 0) return (p.revents & POLLNVAL) ? EBADF : 0;
+        if (r <= 0) continue;
+        if (p.revents & POLLNVAL) return EBADF;
+        /* asked for (a sender's wait): the peer closed its side, so nothing it is sent will be read (neither
+         * end of the lane half-closes).  Without this a sender facing a zero window waits out its deadline. */
+        return (events & POLLRDHUP) && (p.revents & POLLRDHUP) ? ECONNRESET : 0;
     }
 }
 
@@ -43,10 +46,12 @@ static int iov_advance(struct iovec *iov, int n, size_t moved) {
 }
 
 /* The call is tried first and polled only when the socket is not ready: a stream that keeps up never pays
- * a poll() per message. */
-static int move_all(int fd, struct iovec *iov, int n, double timeout_s, int sending) {
+ * a poll() per message.  The deadline is checked before every call too, so a stream that always has a few
+ * bytes ready (it never waits) still ends at it. */
+static int move_all(int fd, struct iovec *iov, int n, double until, int sending) {
     n = iov_advance(iov, n, 0); /* empty entries skipped: a recvmsg of nothing would read as the peer's close */
     while (n > 0) {
+        if (tcp_now() >= until) return ETIMEDOUT;
         struct msghdr m;
         memset(&m, 0, sizeof(m));
         m.msg_iov = iov;
@@ -59,23 +64,23 @@ static int move_all(int fd, struct iovec *iov, int n, double timeout_s, int send
         if (r == 0) return ECONNRESET; /* the peer closed before the message was whole */
         if (errno == EINTR) continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK) return errno;
-        int err = tcp_wait(fd, sending ? POLLOUT : POLLIN, timeout_s);
+        int err = tcp_wait(fd, sending ? POLLOUT | POLLRDHUP : POLLIN, until);
         if (err) return err;
     }
     return 0;
 }
 
-int tcp_sendv(int fd, struct iovec *iov, int n, double timeout_s) { return move_all(fd, iov, n, timeout_s, 1); }
-int tcp_recvv(int fd, struct iovec *iov, int n, double timeout_s) { return move_all(fd, iov, n, timeout_s, 0); }
+int tcp_sendv(int fd, struct iovec *iov, int n, double until) { return move_all(fd, iov, n, until, 1); }
+int tcp_recvv(int fd, struct iovec *iov, int n, double until) { return move_all(fd, iov, n, until, 0); }
 
-int tcp_send_all(int fd, const void *buf, size_t len, double timeout_s) {
+int tcp_send_all(int fd, const void *buf, size_t len, double until) {
     struct iovec v = {(void *)buf, len};
-    return len ? tcp_sendv(fd, &v, 1, timeout_s) : 0;
+    return len ? tcp_sendv(fd, &v, 1, until) : 0;
 }
 
-int tcp_recv_all(int fd, void *buf, size_t len, double timeout_s) {
+int tcp_recv_all(int fd, void *buf, size_t len, double until) {
     struct iovec v = {buf, len};
-    return len ? tcp_recvv(fd, &v, 1, timeout_s) : 0;
+    return len ? tcp_recvv(fd, &v, 1, until) : 0;
 }
 
 void tcp_tune(int fd) {
@@ -104,7 +109,7 @@ int tcp_address(const char *host, int port, struct sockaddr_storage *out, sockle
     return EINVAL;
 }
 
-int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double timeout_s, int *err) {
+int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double until, int *err) {
     int fd = socket(addr->sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) {
         *err = errno;
@@ -116,7 +121,7 @@ int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double timeout_s
         close(fd);
         return -1;
     }
-    int e = tcp_wait(fd, POLLOUT, timeout_s);
+    int e = tcp_wait(fd, POLLOUT, until);
     socklen_t sl = sizeof(int);
     if (!e && getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &sl) < 0) e = errno;
     if (e) {

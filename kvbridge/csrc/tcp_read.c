@@ -2,7 +2,7 @@
  * tcp_serve.c) straight into this process's memory over several TCP streams at once (wire: tcp.h).
  *
  *   TcpSource(host, port, secret, *, streams=4, timeout_s=10)
- *     .start(remote, local, lengths, seal_address=0) -> TcpRead  (.result() -> (bytes, seal word))
+ *     .start(remote, local, lengths, seal_address=0, timeout_s=None) -> TcpRead  (.result() -> (bytes, seal word))
  *     .close()
  *
  * A read's descriptors are merged where they continue each other on both sides, then cut into `streams`
@@ -10,6 +10,12 @@
  * by a thread of this file's pool, received with recvmsg straight into the local pieces (no staging).
  * Connections stay open between reads (a connect and hello cost round trips per load otherwise) and are
  * dropped after any failure, so a read after a cut link or a restarted producer starts on fresh ones.
+ *
+ * The deadline: a read is over by its start + timeout_s (start()'s, else the source's), whole — connecting, the hello, every stream's
+ * request, data and seal word — however many bytes keep arriving before then (a link that trickles fails
+ * as a dead one does; a per-wait bound would let it run for hours).  A stream that fails (its deadline, a
+ * reset, a refusal) shuts its siblings' sockets down, so the read ends with its first failure rather than
+ * its slowest stream; their connections are closed, never given back mid-message.
  *
  * Several streams, because one TCP stream is bound by one core's copy out of the socket and by its
  * congestion window; across emulated hosts plain TCP moves more with several (bench case:
@@ -58,6 +64,7 @@ typedef struct stream {
     uint64_t lo, hi; /* its bytes of the merged descriptors */
     uint64_t word;
     int err;
+    int fd; /* its connection while it moves bytes, else -1 (r->lock) */
     struct stream *next; /* the pool's queue */
 } stream;
 
@@ -65,6 +72,8 @@ typedef struct TcpReadObject {
     JobObject base;
     TcpSourceObject *src; /* held: its connections outlive no read */
     uint64_t seal_address;
+    double until;     /* the read's deadline (tcp_now() seconds): its start + the source's timeout_s */
+    int failed;       /* the errno of the first stream that failed, 0 while none has: the others stop (r->lock) */
     tcp_desc *rem;    /* merged: remote address and length */
     uint64_t *loc;    /* merged: local address */
     uint64_t *starts; /* starts[i]: bytes before merged descriptor i (m + 1 entries) */
@@ -81,8 +90,8 @@ static void close_idle(TcpSourceObject *s) { /* s->lock held */
 }
 
 /* A pooled connection that is still good (no hang-up or stray bytes waiting, not idle too long), else a
- * new one that passed the hello; -1 with *err set. */
-static int take_conn(TcpSourceObject *s, int *err) {
+ * new one that passed the hello by the deadline `until`; -1 with *err set. */
+static int take_conn(TcpSourceObject *s, double until, int *err) {
     pthread_mutex_lock(&s->lock);
     int fd = -1;
     while (fd < 0 && s->nidle > 0) {
@@ -93,13 +102,13 @@ static int take_conn(TcpSourceObject *s, int *err) {
     }
     pthread_mutex_unlock(&s->lock);
     if (fd >= 0) return fd;
-    fd = tcp_connect((struct sockaddr *)&s->addr, s->alen, s->timeout_s, err);
+    fd = tcp_connect((struct sockaddr *)&s->addr, s->alen, until, err);
     if (fd < 0) return -1;
     tcp_hello h = {TCP_MAGIC_HELLO, TCP_VERSION, {0}};
     memcpy(h.secret, s->secret, TCP_SECRET_BYTES);
     uint32_t status = TCP_BAD_SECRET;
-    int e = tcp_send_all(fd, &h, sizeof(h), s->timeout_s);
-    if (!e) e = tcp_recv_all(fd, &status, sizeof(status), s->timeout_s);
+    int e = tcp_send_all(fd, &h, sizeof(h), until);
+    if (!e) e = tcp_recv_all(fd, &status, sizeof(status), until);
     if (!e && status != TCP_OK) e = EACCES;
     if (e == ECONNRESET && status != TCP_OK) e = EACCES; /* refused: the server closed without an answer */
     if (e) {
@@ -133,9 +142,35 @@ static size_t first_desc(const TcpReadObject *r, uint64_t lo) { /* the merged de
     return a;
 }
 
+/* Whether the stream may go on: no sibling failed; then its connection is `fd` (-1: none) for them to
+ * shut down should they fail. */
+static int stream_own(stream *st, int fd) {
+    TcpReadObject *r = st->r;
+    pthread_mutex_lock(&r->lock);
+    int go = !r->failed;
+    st->fd = go ? fd : -1;
+    pthread_mutex_unlock(&r->lock);
+    return go;
+}
+
+/* The stream failed with `err`: the read has, so its siblings stop now rather than at the deadline (a
+ * shut-down socket wakes their poll and fails their next call); the first failure is the read's reason.
+ * Under r->lock, so no sibling closes its socket (stream_own(st, -1) first) while it is shut down here. */
+static void stream_fail(stream *st, int err) {
+    TcpReadObject *r = st->r;
+    pthread_mutex_lock(&r->lock);
+    if (!r->failed) {
+        r->failed = err;
+        for (int k = 0; k < r->nstreams; k++)
+            if (&r->st[k] != st && r->st[k].fd >= 0) shutdown(r->st[k].fd, SHUT_RDWR);
+    }
+    pthread_mutex_unlock(&r->lock);
+}
+
 static int stream_run(stream *st) {
     TcpReadObject *r = st->r;
     TcpSourceObject *s = r->src;
+    double until = r->until;
     size_t i0 = first_desc(r, st->lo), n = 0;
     while (i0 + n < r->m && r->starts[i0 + n] < st->hi) n++;
     if (st->lo == st->hi) n = 0;
@@ -158,20 +193,25 @@ static int stream_run(stream *st) {
     }
     iov[n] = (struct iovec){&st->word, sizeof(st->word)}; /* the seal word follows the data */
     int fd = -1;
+    if (tcp_now() >= until) err = ETIMEDOUT; /* queued behind other reads' streams past its deadline */
+    else if (!stream_own(st, -1)) err = ECANCELED;
     if (!err) {
         tcp_request head = {TCP_MAGIC_REQUEST, (uint32_t)n, r->seal_address};
         memcpy(q, &head, sizeof(head));
-        fd = take_conn(s, &err);
+        fd = take_conn(s, until, &err);
     }
     if (fd >= 0) {
+        if (!stream_own(st, fd)) err = ECANCELED;
         tcp_reply rep = {TCP_BAD_REQUEST, 0, 0};
-        err = tcp_send_all(fd, q, qbytes, s->timeout_s);
-        if (!err) err = tcp_recv_all(fd, &rep, sizeof(rep), s->timeout_s);
+        if (!err) err = tcp_send_all(fd, q, qbytes, until);
+        if (!err) err = tcp_recv_all(fd, &rep, sizeof(rep), until);
         if (!err && rep.status != TCP_OK) err = rep.status == TCP_OUT_OF_BOUNDS ? EFAULT : EPROTO;
         if (!err && rep.total != st->hi - st->lo) err = EPROTO; /* never counted: the sizes disagree */
-        if (!err) err = tcp_recvv(fd, iov, (int)(n + 1), s->timeout_s);
+        if (!err) err = tcp_recvv(fd, iov, (int)(n + 1), until);
+        if (!stream_own(st, -1)) err = err ? err : ECANCELED; /* a sibling may have shut this one down */
         give_conn(s, fd, err != 0);
     }
+    if (err) stream_fail(st, err);
     free(q);
     free(iov);
     return err;
@@ -192,7 +232,7 @@ static void stream_over(stream *st) {
     int last = --r->pending == 0;
     pthread_mutex_unlock(&r->lock);
     if (!last) return;
-    int err = 0;
+    int err = r->failed; /* the first failure, not a sibling's shut-down socket it caused */
     uint64_t word = r->st[0].word;
     for (int k = 0; k < r->nstreams; k++) {
         if (!err) err = r->st[k].err;
@@ -275,7 +315,7 @@ static const char *why(int err) {
     case EACCES: return "the producer refused the secret";
     case EFAULT: return "the producer refused ranges outside its registered KV";
     case EPROTO: return "the producer's answer does not match the request";
-    case ETIMEDOUT: return "no progress within timeout_s";
+    case ETIMEDOUT: return "the read's deadline passed (timeout_s from its start)";
     default: return strerror(err);
     }
 }
@@ -387,16 +427,20 @@ static int plan(TcpReadObject *r, int streams) {
     uint64_t most = total / READ_STREAM_MIN_BYTES;
     r->nstreams = most < 1 ? 1 : most < (uint64_t)streams ? (int)most : streams;
     for (int k = 0; k < r->nstreams; k++)
-        r->st[k] = (stream){r, total * (uint64_t)k / (uint64_t)r->nstreams,
-                            total * (uint64_t)(k + 1) / (uint64_t)r->nstreams, 0, 0, NULL};
+        r->st[k] = (stream){.r = r, .lo = total * (uint64_t)k / (uint64_t)r->nstreams,
+                            .hi = total * (uint64_t)(k + 1) / (uint64_t)r->nstreams, .fd = -1};
     return 0;
 }
 
 static PyObject *source_start(TcpSourceObject *s, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"remote", "local", "lengths", "seal_address", NULL};
-    PyObject *ro, *lo, *no;
+    static char *kwlist[] = {"remote", "local", "lengths", "seal_address", "timeout_s", NULL};
+    PyObject *ro, *lo, *no, *to = Py_None;
     unsigned long long seal = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|K", kwlist, &ro, &lo, &no, &seal)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|KO", kwlist, &ro, &lo, &no, &seal, &to)) return NULL;
+    double timeout_s = s->timeout_s;
+    if (to != Py_None && (timeout_s = PyFloat_AsDouble(to)) == -1.0 && PyErr_Occurred()) return NULL;
+    if (!(timeout_s > 0) || timeout_s > 1e7)
+        return PyErr_Format(PyExc_ValueError, "TcpSource.start: timeout_s must be a positive number of seconds");
     if (s->closed) return PyErr_Format(PyExc_ValueError, "TcpSource.start: the source is closed");
     TcpReadObject *r = (TcpReadObject *)kv_new(&TcpReadType, NULL);
     if (!r) return NULL;
@@ -404,6 +448,7 @@ static PyObject *source_start(TcpSourceObject *s, PyObject *args, PyObject *kw) 
     Py_INCREF(s);
     r->src = s;
     r->seal_address = seal;
+    r->until = tcp_now() + timeout_s; /* the whole read, from now */
     if (descs_parse(&r->base.job.d, ro, lo, no, NULL) < 0 || plan(r, s->streams) < 0) {
         Py_DECREF(r);
         return NULL;
@@ -422,8 +467,9 @@ static PyObject *source_start(TcpSourceObject *s, PyObject *args, PyObject *kw) 
 
 static PyMethodDef source_methods[] = {
     {"start", (PyCFunction)(void (*)(void))source_start, METH_VARARGS | METH_KEYWORDS,
-     "start(remote, local, lengths, seal_address=0) -> TcpRead: the descriptors read over `streams` connections "
-     "at once into this process's memory, then the seal word"},
+     "start(remote, local, lengths, seal_address=0, timeout_s=None) -> TcpRead: the descriptors read over `streams` "
+     "connections at once into this process's memory, then the seal word; the whole read fails once timeout_s "
+     "(default: the source's) passed since this call"},
     {"close", (PyCFunction)source_close, METH_NOARGS, "close(): drop the idle connections; no read starts after"},
     {NULL}};
 

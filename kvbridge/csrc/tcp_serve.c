@@ -10,8 +10,12 @@
  *
  * Safety: a request is served only if every range lies inside one registered region (the rest of the
  * process is never readable), only on a connection whose hello carried the secret, and the seal word
- * is read after the data was handed to the socket.  A consumer that dies or stalls costs a closed
- * socket: every send waits at most timeout_s, and an idle connection closes after idle_s.
+ * is read after the data was handed to the socket.  A consumer that dies, stalls or reads at a trickle
+ * costs a closed socket, never a thread for good: the hello must be over timeout_s after the accept, and
+ * each request answered (its data and seal word in the socket) timeout_s after it began to arrive, however
+ * many bytes moved meanwhile; an idle connection closes after idle_s.  The consumer's own deadline for a
+ * read (its start + its timeout_s) comes first when both sides share timeout_s, so a consumer that gives
+ * up has closed its sockets before the server would.
  */
 #include "tcp.h"
 
@@ -73,15 +77,17 @@ static void count(server *s, uint64_t *field, uint64_t n) {
     pthread_mutex_unlock(&s->lock);
 }
 
-static int reply(int fd, uint32_t status, uint64_t total, double timeout_s) {
+static int reply(int fd, uint32_t status, uint64_t total, double until) {
     tcp_reply r = {status, 0, total};
-    return tcp_send_all(fd, &r, sizeof(r), timeout_s);
+    return tcp_send_all(fd, &r, sizeof(r), until);
 }
 
-/* One request, its header read.  Returns 0 to go on with the connection, else an errno or -1 (close). */
-static int serve_request(server *s, int fd, const tcp_request *q, tcp_desc **buf, size_t *cap, struct iovec *iov) {
+/* One request, its header read, answered whole by the deadline `until`.  Returns 0 to go on with the
+ * connection, else an errno or -1 (close). */
+static int serve_request(server *s, int fd, const tcp_request *q, tcp_desc **buf, size_t *cap, struct iovec *iov,
+                         double until) {
     if (q->magic != TCP_MAGIC_REQUEST || q->n > TCP_MAX_DESCS) {
-        (void)reply(fd, TCP_BAD_REQUEST, 0, s->timeout_s);
+        (void)reply(fd, TCP_BAD_REQUEST, 0, until);
         return -1;
     }
     if (q->n > *cap) {
@@ -90,14 +96,14 @@ static int serve_request(server *s, int fd, const tcp_request *q, tcp_desc **buf
         *buf = grown;
         *cap = q->n;
     }
-    int err = tcp_recv_all(fd, *buf, (size_t)q->n * sizeof(tcp_desc), s->timeout_s);
+    int err = tcp_recv_all(fd, *buf, (size_t)q->n * sizeof(tcp_desc), until);
     if (err) return err;
     uint64_t total = 0;
     int hint = 0;
     for (uint32_t i = 0; i < q->n; i++) {
         if (!inside(s, (*buf)[i].addr, (*buf)[i].len, &hint)) {
             count(s, &s->n_refused, 1);
-            (void)reply(fd, TCP_OUT_OF_BOUNDS, 0, s->timeout_s);
+            (void)reply(fd, TCP_OUT_OF_BOUNDS, 0, until);
             return -1; /* nothing of it served; a consumer that asks outside the KV is not asked again */
         }
         total += (*buf)[i].len;
@@ -108,7 +114,7 @@ static int serve_request(server *s, int fd, const tcp_request *q, tcp_desc **buf
     int k = 1;
     for (uint32_t i = 0; i <= q->n; i++) {
         if (i == q->n || k == IOV_MAX) {
-            if ((err = tcp_sendv(fd, iov, k, s->timeout_s))) return err;
+            if ((err = tcp_sendv(fd, iov, k, until))) return err;
             k = 0;
         }
         if (i < q->n) iov[k++] = (struct iovec){(void *)(uintptr_t)(*buf)[i].addr, (size_t)(*buf)[i].len};
@@ -117,7 +123,7 @@ static int serve_request(server *s, int fd, const tcp_request *q, tcp_desc **buf
     uint64_t word = 0, a = q->seal_address;
     if (a && a % 8 == 0 && a >= s->seal_lo && a + 8 <= s->seal_hi)
         word = __atomic_load_n((const uint64_t *)(uintptr_t)a, __ATOMIC_ACQUIRE);
-    if ((err = tcp_send_all(fd, &word, sizeof(word), s->timeout_s))) return err;
+    if ((err = tcp_send_all(fd, &word, sizeof(word), until))) return err;
     pthread_mutex_lock(&s->lock);
     s->n_requests++;
     s->n_bytes += total;
@@ -141,11 +147,12 @@ static void *conn_main(void *arg) {
     size_t cap = 0;
     struct iovec *iov = malloc(sizeof(struct iovec) * IOV_MAX);
     tcp_hello h;
-    int err = iov ? tcp_recv_all(c.fd, &h, sizeof(h), s->timeout_s) : ENOMEM;
+    double until = tcp_now() + s->timeout_s; /* the hello, from the accept */
+    int err = iov ? tcp_recv_all(c.fd, &h, sizeof(h), until) : ENOMEM;
     if (!err) {
         int ok = h.magic == TCP_MAGIC_HELLO && h.version == TCP_VERSION && tcp_secret_equal(h.secret, s->secret);
         uint32_t status = ok ? TCP_OK : TCP_BAD_SECRET;
-        err = tcp_send_all(c.fd, &status, sizeof(status), s->timeout_s);
+        err = tcp_send_all(c.fd, &status, sizeof(status), until);
         if (!ok) {
             count(s, &s->n_refused, 1);
             err = -1;
@@ -154,9 +161,10 @@ static void *conn_main(void *arg) {
     while (!err) {
         tcp_request q;
         /* between requests the connection may idle (a consumer keeps its streams open), up to idle_s */
-        err = tcp_wait(c.fd, POLLIN, s->idle_s);
-        if (!err) err = tcp_recv_all(c.fd, &q, sizeof(q), s->timeout_s);
-        if (!err) err = serve_request(s, c.fd, &q, &buf, &cap, iov);
+        err = tcp_wait(c.fd, POLLIN, tcp_now() + s->idle_s);
+        until = tcp_now() + s->timeout_s; /* the request's first bytes are here: all of it by then */
+        if (!err) err = tcp_recv_all(c.fd, &q, sizeof(q), until);
+        if (!err) err = serve_request(s, c.fd, &q, &buf, &cap, iov, until);
     }
     free(buf);
     free(iov);
