@@ -48,7 +48,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbridge.bench import cold, peers, rawtcp
@@ -152,34 +152,34 @@ def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "t
             producer.close()
 
 
-def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
-    sender = _Proc(a, ["-m", "kvbridge.bench._host_child", "tcp-send", str(nbytes), str(streams)], timeout_s)
+def _pair(a: Host, b: Host, what: str, send: Sequence[str], recv: Callable[[int], Sequence[str]], timeout_s: float,
+          python: bool) -> list[float]:
+    """A plain-TCP row: ``send`` started on ``a`` says its port, ``recv(port)`` on ``b`` times the reps."""
+    sender = _Proc(a, send, timeout_s, python=python)
     try:
-        port = sender.line("tcp sender")["port"]
-        receiver = _Proc(b, ["-m", "kvbridge.bench._host_child", "tcp-recv", a.address, str(port), str(nbytes),
-                             str(streams), str(reps)], timeout_s)
+        port = sender.line(f"{what} sender")["port"]
+        receiver = _Proc(b, recv(port), timeout_s, python=python)
         try:
-            return [float(v) for v in receiver.line("tcp receiver")["samples"]]
+            return [float(v) for v in receiver.line(f"{what} receiver")["samples"]]
         finally:
             receiver.close()
     finally:
         sender.close()
+
+
+def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
+    child = ["-m", "kvbridge.bench._host_child"]
+    return _pair(a, b, "tcp", [*child, "tcp-send", str(nbytes), str(streams)],
+                 lambda port: [*child, "tcp-recv", a.address, str(port), str(nbytes), str(streams), str(reps)],
+                 timeout_s, python=True)
 
 
 def _ctcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
     exe = rawtcp.binary()
-    sender = _Proc(a, [exe, "send", str(nbytes), str(streams)], timeout_s, python=False)
-    try:
-        port = sender.line("ctcp sender")["port"]
-        evict_bytes = 0 if not cold.evicting() else 2 * cold.llc_bytes()
-        receiver = _Proc(b, [exe, "recv", a.address, str(port), str(nbytes), str(streams), str(reps), str(evict_bytes)],
-                         timeout_s, python=False)
-        try:
-            return [float(v) for v in receiver.line("ctcp receiver")["samples"]]
-        finally:
-            receiver.close()
-    finally:
-        sender.close()
+    evict_bytes = 0 if not cold.evicting() else 2 * cold.llc_bytes()
+    return _pair(a, b, "ctcp", [exe, "send", str(nbytes), str(streams)],
+                 lambda port: [exe, "recv", a.address, str(port), str(nbytes), str(streams), str(reps), str(evict_bytes)],
+                 timeout_s, python=False)
 
 
 def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
