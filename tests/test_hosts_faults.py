@@ -13,7 +13,6 @@ the socket succeeds) fails the load by ``timeout_s`` from its start all the same
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,18 +22,9 @@ import pytest
 
 pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
 
+import hostpeer as hp  # noqa: E402 - tests/helpers, on sys.path by tests/conftest.py
+
 from kvbridge.testing.hosts import Host  # noqa: E402
-
-
-def _sibling(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"kvbridge_tests_{name}", Path(__file__).parent / "helpers" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-hp = _sibling("hostpeer")
 
 RATE = "40mbit"  # 160 blocks of 64 KiB (10 MiB) take about 2 s: the cut lands mid-load
 TOKENS = 16 * 160 + 3

@@ -11,29 +11,17 @@ size 16: 64 KiB per block.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
 
+import hostpeer as hp  # noqa: E402 - tests/helpers, on sys.path by tests/conftest.py
+
 from kvbridge.testing.hosts import Host  # noqa: E402
-
-
-def _sibling(name: str) -> Any:
-    # by file path: putting tests/ on sys.path would make tests/vllm look like an installed vLLM
-    spec = importlib.util.spec_from_file_location(f"kvbridge_tests_{name}", Path(__file__).parent / "helpers" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-hp = _sibling("hostpeer")
 
 
 @pytest.mark.parametrize("lane", ["auto", "ucp", "two-sided"])
