@@ -27,11 +27,11 @@ if [[ $parts == *" hosts "* ]]; then
 fi
 # two pods on one node (one network, their own pid and IPC namespaces): the lane against the raw media that cross
 if [[ $parts == *" pods "* && $(id -u) == 0 ]]; then
-  kvbridge bench hosts --pods --json pods.json --tokens 1024,256 --rows kvbridge,kvbridge-ucp,tcp:4,ctcp:1,ctcp:4,cma \
+  kvbridge bench hosts --pods --json pods.json --tokens 1024,256 --rows kvbridge,kvbridge-ucp,tcp:4,ctcp:1,ctcp:4,ctcp-sndbuf:4,cma \
     --reps 3 --rounds 3 | tee pods.txt
 fi
 # kvbridge's lane against plain TCP, NIXL and Mooncake: those of them the hosts run measured
-hosts_rows=kvbridge,tcp:4,ctcp:4,nixl,mooncake  # ctcp:4: plain TCP in C, where the bench has it
+hosts_rows=kvbridge,tcp:4,ctcp:4,ctcp-sndbuf:4,nixl,mooncake  # ctcp*: plain TCP in C, where the bench has it
 if [[ -f hosts.json ]]; then
   hosts_rows=$(python3 -c 'import json, sys; got = {r["row"] for r in json.load(open("hosts.json"))["records"]
 if r.get("samples")}; print(",".join(r for r in sys.argv[1].split(",") if r in got))' "$hosts_rows")

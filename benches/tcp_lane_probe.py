@@ -2,12 +2,15 @@
 two emulated hosts or pods, beside rawtcp (C) moving the same bytes, rows alternated per round.
 
     sudo .venv/bin/python benches/tcp_lane_probe.py [--pods] [--mib 32,128] [--rounds 5] [--reps 5]
-        [--rows scat:4,one:4,ctcp:4]
+        [--rows scat:4,scat:4/0,ctcp:4,ctcp-sndbuf:4]
 
-Rows: ``ctcpwarm:S`` rawtcp without the cache eviction; ``scat:S`` the bench's descriptors (Llama-3-8B, 32 layers x K/V, 32 KiB pieces, scattered blocks on
-both sides) over S streams; ``one:S`` the same bytes as one descriptor; ``ctcp:S`` rawtcp. Every read is
-timed from ``TcpSource.start`` to ``result()`` after an untimed cache eviction; the first read of each row
-and round is checked byte for byte and not timed.
+Rows: ``scat:S`` the bench's descriptors (Llama-3-8B, 32 layers x K/V, 32 KiB pieces, scattered blocks on
+both sides) over S streams; ``one:S`` the same bytes as one descriptor; either with ``/B`` appended: the
+server's send buffer per connection, bytes (``scat:4/0``: the kernel's; default the lane's, ``tcplane.SNDBUF``);
+``ctcp:S`` rawtcp, ``ctcp-sndbuf:S`` rawtcp with the lane's send buffer and non-blocking sends,
+``ctcpwarm:S`` rawtcp without the cache eviction. ``@VAR=V+VAR=V`` after a row: environment of both ends.
+Every read is timed from ``TcpSource.start`` to ``result()`` after an untimed cache eviction; the first
+read of each row and round is checked byte for byte and not timed.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def _descs(base: int, blocks: int, ids: np.ndarray) -> np.ndarray:
     return (base + ((lay * 2 + kv) * blocks + ids[None, None, :]) * PIECE).reshape(-1).astype(np.uint64)
 
 
-def serve(blocks: int) -> None:
+def serve(blocks: int, sndbuf: int) -> None:
     from kvbridge import native
 
     mod, _ = native.load_core()
@@ -54,7 +57,7 @@ def serve(blocks: int) -> None:
     import resource
 
     srv = mod.TcpServer("0.0.0.0", 0, [(kv.ctypes.data, kv.nbytes)], secret,
-                        seals=(seals.ctypes.data, seals.nbytes))
+                        seals=(seals.ctypes.data, seals.nbytes), sndbuf=sndbuf)
     print("@@" + json.dumps({"port": srv.port, "base": kv.ctypes.data, "seal": seals.ctypes.data}), flush=True)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     sys.stdin.readline()
@@ -84,7 +87,7 @@ def read(host: str, port: int, base: int, seal: int, blocks: int, mib: int, rows
     for r in rows:
         kind, _, s = r.partition(":")
         if kind in ("scat", "one"):
-            sources[r] = mod.TcpSource(host, port, b"s" * 32, streams=int(s), timeout_s=10)
+            sources[r] = mod.TcpSource(host, port, b"s" * 32, streams=int(s.partition("/")[0]), timeout_s=10)
     for k in range(rounds):
         for r in rows[k % len(rows):] + rows[: k % len(rows)]:
             kind = r.partition(":")[0]
@@ -119,13 +122,14 @@ def read(host: str, port: int, base: int, seal: int, blocks: int, mib: int, rows
 
 def main() -> None:
     if sys.argv[1:2] == ["serve"]:
-        return serve(int(sys.argv[2]))
+        return serve(int(sys.argv[2]), int(sys.argv[3]))
     if sys.argv[1:2] == ["read"]:
         a = sys.argv[2:]
         return read(a[0], int(a[1]), int(a[2]), int(a[3]), int(a[4]), int(a[5]), a[6].split(","), int(a[7]), int(a[8]))
     import os
     import subprocess
 
+    from kvbridge.connectors.ucx import tcplane
     from kvbridge.testing.hosts import EmulatedHosts
 
     ap = argparse.ArgumentParser()
@@ -133,7 +137,7 @@ def main() -> None:
     ap.add_argument("--mib", default="32,128")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--rows", default="scat:4,one:4,ctcp:4", help="scat:S[@VAR=V+VAR=V] (env of both ends)")
+    ap.add_argument("--rows", default="scat:4,scat:4/0,ctcp:4,ctcp-sndbuf:4", help="see the docstring")
     args = ap.parse_args()
     rows = args.rows.split(",")
     print(f"load average {os.getloadavg()}", flush=True)
@@ -147,12 +151,14 @@ def main() -> None:
                 for r in order:
                     if r.startswith("ctcp"):
                         res[r].append(_ctcp(a, b, mib << 20, int(r.split(":")[1].split("@")[0]), args.reps, cpu.setdefault(r, []),
-                                            warm=r.startswith("ctcpwarm"), small="@small" in r))
+                                            warm=r.startswith("ctcpwarm"), small="@small" in r,
+                                            sndbuf=tcplane.SNDBUF if r.startswith("ctcp-sndbuf") else 0))
                         continue
+                    sndbuf = r.partition("@")[0].partition("/")[2] or str(tcplane.SNDBUF)
                     env = dict(os.environ)
                     for kv in filter(None, r.partition("@")[2].split("+")):
                         env[kv.split("=")[0]] = kv.split("=")[1]
-                    srv = a.popen([sys.executable, __file__, "serve", str(blocks)], stdin=subprocess.PIPE,
+                    srv = a.popen([sys.executable, __file__, "serve", str(blocks), sndbuf], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env=env)
                     assert srv.stdout is not None and srv.stdin is not None
                     info = json.loads(srv.stdout.readline().removeprefix("@@"))
@@ -182,7 +188,7 @@ def main() -> None:
 
 
 def _ctcp(a: object, b: object, nbytes: int, streams: int, reps: int, cpu: list[tuple[float, float]],
-          warm: bool = False, small: bool = False) -> list[float]:
+          warm: bool = False, small: bool = False, sndbuf: int = 0) -> list[float]:
     import os
 
     os.environ["KVBRIDGE_RAWTCP_SMALL_PAGES"] = "1" if small else ""
@@ -190,7 +196,7 @@ def _ctcp(a: object, b: object, nbytes: int, streams: int, reps: int, cpu: list[
     from kvbridge.bench.hosts import _Proc
 
     exe = rawtcp.binary()
-    sender = _Proc(a, [exe, "send", str(nbytes), str(streams)], python=False)  # type: ignore[arg-type]
+    sender = _Proc(a, [exe, "send", str(nbytes), str(streams), str(sndbuf)], python=False)  # type: ignore[arg-type]
     port = sender.line("send")["port"]
     receiver = _Proc(b, [exe, "recv", a.address, str(port), str(nbytes), str(streams), str(reps),  # type: ignore[attr-defined]
                          str(0 if warm else 2 * cold.llc_bytes())], python=False)  # type: ignore[arg-type]

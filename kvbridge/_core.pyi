@@ -48,7 +48,7 @@ class TcpServer:
 
     def __init__(
         self, host: str, port: int, regions: Sequence[tuple[int, int]], secret: bytes, *,
-        seals: tuple[int, int] = (0, 0), timeout_s: float = 10.0, idle_s: float = 300.0,
+        seals: tuple[int, int] = (0, 0), timeout_s: float = 10.0, idle_s: float = 300.0, sndbuf: int = 0,
     ) -> None: ...
     @property
     def port(self) -> int: ...

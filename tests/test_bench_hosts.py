@@ -18,8 +18,9 @@ def test_rows_across_hosts_measure_checked_bytes() -> None:
     why = unavailable()
     if why:
         pytest.skip(why)
-    records = bench_hosts.run([32], ["none"], ["kvbridge", "kvbridge-ucp", "tcp:1", "tcp:2", "ctcp:1", "ctcp:2", "ucp-get"], reps=1, rounds=1, shape="tiny")
-    assert [r["row"] for r in records] == ["kvbridge", "kvbridge-ucp", "tcp:1", "tcp:2", "ctcp:1", "ctcp:2", "ucp-get"]
+    rows = ["kvbridge", "kvbridge-ucp", "tcp:1", "tcp:2", "ctcp:1", "ctcp:2", "ctcp-sndbuf:2", "ucp-get"]
+    records = bench_hosts.run([32], ["none"], rows, reps=1, rounds=1, shape="tiny")
+    assert [r["row"] for r in records] == rows
     for rec in records:
         assert rec["note"] == "" and rec["gbps"] > 0 and len(rec["samples"]) == 1, rec
     assert "kvbridge" in bench_hosts.table(records)

@@ -26,10 +26,12 @@ def _last(out: str) -> dict[str, object]:
     return dict(json.loads([line for line in out.splitlines() if line.startswith("@@")][-1][2:]))
 
 
-def test_send_and_recv_over_loopback_time_every_rep() -> None:
+# sndbuf: the kernel's buffers and blocking sends; a capped buffer refilled by non-blocking sends (ctcp-sndbuf:N)
+@pytest.mark.parametrize("sndbuf", [0, 64 << 10])
+def test_send_and_recv_over_loopback_time_every_rep(sndbuf: int) -> None:
     exe = _exe()
     nbytes = (3 << 20) + 5  # not a multiple of the stream count: the last slice is longer
-    sender = subprocess.Popen([exe, "send", str(nbytes), "3"], stdout=subprocess.PIPE, text=True)
+    sender = subprocess.Popen([exe, "send", str(nbytes), "3", str(sndbuf)], stdout=subprocess.PIPE, text=True)
     try:
         assert sender.stdout is not None
         port = json.loads(sender.stdout.readline()[2:])["port"]
@@ -67,6 +69,7 @@ def test_receiver_refuses_bytes_that_differ() -> None:
 
 
 @pytest.mark.parametrize(("row", "ok"), [("ctcp:4", True), ("tcp:8", True), ("ctcp:64", True), ("ctcp:0", False),
-                                         ("ctcp:65", False), ("ctcp:x", False), ("udp:4", False)])
+                                         ("ctcp:65", False), ("ctcp:x", False), ("udp:4", False),
+                                         ("ctcp-sndbuf:4", True), ("ctcp-sndbuf:0", False)])
 def test_plain_tcp_rows_any_stream_count(row: str, ok: bool) -> None:
     assert bench_hosts._plain_tcp(row) is ok

@@ -79,7 +79,8 @@ class Peer:
 
 def _pair(nbytes: int, a: Host | None = None, b: Host | None = None, **kw: Any) -> tuple[Peer, Peer, dict[str, Any]]:
     host = a.address if a is not None else "127.0.0.1"
-    producer = Peer("serve", "--bytes", str(nbytes), "--host", host, "--timeout", str(TIMEOUT_S), host=a)
+    producer = Peer("serve", "--bytes", str(nbytes), "--host", host, "--timeout", str(TIMEOUT_S),
+                    "--sndbuf", str(kw.get("sndbuf", 0)), host=a)
     info = producer.line()
     reader = Peer("read", "--host", host, "--port", str(info["port"]), "--secret", kw.get("secret", info["secret"]),
                   "--streams", str(kw.get("streams", 4)), "--timeout", str(TIMEOUT_S), host=b)
@@ -95,9 +96,10 @@ def _read_all(producer: Peer, reader: Peer, info: dict[str, Any], blocks: int, s
     return got
 
 
-@pytest.mark.parametrize("streams", [1, 4])
-def test_loopback_reads_are_bit_exact(streams: int) -> None:
-    producer, reader, info = _pair(256 * BLOCK, streams=streams)
+# sndbuf: the kernel's, the lane's default, and one so small that every request refills it many times
+@pytest.mark.parametrize(("streams", "sndbuf"), [(1, 0), (4, 0), (4, 512 << 10), (4, 64 << 10)])
+def test_loopback_reads_are_bit_exact(streams: int, sndbuf: int) -> None:
+    producer, reader, info = _pair(256 * BLOCK, streams=streams, sndbuf=sndbuf)
     try:
         for blocks in (1, 17, 256):  # one stream below 1 MiB, then cut between `streams`
             _read_all(producer, reader, info, blocks)
@@ -106,6 +108,36 @@ def test_loopback_reads_are_bit_exact(streams: int) -> None:
     finally:
         reader.close()
         producer.close()
+
+
+def _served_sndbufs(port: int) -> list[int]:
+    """The send buffers (``ss``'s skmem ``tb``: the kernel's doubled SO_SNDBUF) of the connections served from
+    ``port`` on this host."""
+    out = subprocess.run(["ss", "-tmnH", "state", "established", f"( sport = :{port} )"], capture_output=True,
+                         text=True, check=True).stdout
+    return [int(w.split(",tb")[1].split(",")[0]) for w in out.split() if w.startswith("skmem:(")]
+
+
+@pytest.mark.skipif(subprocess.run(["ss", "-V"], capture_output=True).returncode != 0, reason="needs ss (iproute2)")
+@pytest.mark.parametrize("sndbuf", [0, 256 << 10])
+def test_the_server_caps_each_connections_send_buffer(sndbuf: int) -> None:
+    producer, reader, info = _pair(64 * BLOCK, streams=4, sndbuf=sndbuf)
+    try:
+        _read_all(producer, reader, info, 64)  # 4 MiB: four streams, their connections kept open after
+        got = _served_sndbufs(info["port"])
+        assert 1 <= len(got) <= 4, got  # a stream done first may hand its connection to the next
+        if sndbuf:
+            assert got == [2 * sndbuf] * len(got)  # the kernel doubles what it is asked for (its bookkeeping)
+        else:
+            assert all(tb != 2 * (256 << 10) for tb in got)  # the kernel's own, never the cap
+    finally:
+        reader.close()
+        producer.close()
+
+
+def test_a_negative_send_buffer_is_refused() -> None:
+    with pytest.raises(ValueError, match="sndbuf >= 0"):
+        native.load_core()[0].TcpServer("127.0.0.1", 0, [], b"s" * 32, sndbuf=-1)
 
 
 def test_ranges_outside_the_registered_kv_are_refused() -> None:

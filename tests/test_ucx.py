@@ -122,8 +122,13 @@ def test_options_are_checked() -> None:
         kvbridge.create_backend("ucx", {"timeout_s": "0"})
     with pytest.raises(ConfigError, match="unknown"):
         kvbridge.create_backend("ucx", {"chunk_byte": 1})
+    for bad in ("-1", "4096", str(2 << 30)):
+        with pytest.raises(ConfigError, match="tcp_sndbuf"):
+            kvbridge.create_backend("ucx", {"tcp_sndbuf": bad})
     backend = kvbridge.create_backend("ucx", {"chunk_bytes": "8388608", "progress_mode": "blocking"})
     assert backend.kind == "peer" and backend.options.chunk_bytes == 8 << 20
+    assert backend.options.tcp.sndbuf == 512 << 10  # the tcp lane's server caps its send buffers by default
+    assert kvbridge.create_backend("ucx", {"tcp_sndbuf": "0"}).options.tcp.sndbuf == 0
 
 
 def test_cma_is_excluded_unless_chosen() -> None:

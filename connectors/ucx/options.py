@@ -48,6 +48,10 @@ class UcxOptions:
       the consumer), "two-sided" (tag sends served by the producer's Python). See
       :mod:`kvbridge.connectors.ucx.onesided`.
     - ``tcp_streams``: connections a consumer reads one load over on the ``tcp`` lane (1 to 16).
+    - ``tcp_sndbuf``: a producer's send buffer per ``tcp`` lane connection, bytes (default 512 KiB; 0: the
+      kernel's auto-tuned one; else 64 KiB to 1 GiB). Small keeps the bytes in flight in the CPU's caches; raise it where
+      ``tcp_streams`` x ``tcp_sndbuf`` is below the link's bandwidth x round trip (see
+      :mod:`kvbridge.connectors.ucx.tcplane`).
     - ``tcp_port``: the port a producer worker serves the ``tcp`` lane on (0: a free one; N: rank r
       listens on N+r), on ``listen_host`` or else ``advertise_host``.
     - ``token``: shared token of the metadata plane (both sides must agree).
@@ -69,6 +73,7 @@ class UcxOptions:
     lane: Literal["auto", "cma", "tcp", "ucp", "ucp-unsafe", "two-sided"] = "auto"
     tcp_streams: int = 4
     tcp_port: int = 0
+    tcp_sndbuf: int = tcplane.SNDBUF
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
@@ -83,6 +88,9 @@ class UcxOptions:
         require(self.token is None or bool(self.token), "token must be non-empty (or unset)")
         require(1 <= self.tcp_streams <= 16, f"tcp_streams={self.tcp_streams} outside [1, 16]")
         require(0 <= self.tcp_port < 65536, f"tcp_port={self.tcp_port} outside [0, 65535]")
+        # below 64 KiB every send waits for an acknowledgement: a load crawls (tests/test_tcplane.py)
+        require(self.tcp_sndbuf == 0 or 64 << 10 <= self.tcp_sndbuf <= 1 << 30,
+                f"tcp_sndbuf={self.tcp_sndbuf}: 0 (the kernel's) or 64 KiB to 1 GiB")
         require(self.lane in onesided.LANES, f"lane={self.lane!r} is not one of {', '.join(onesided.LANES)}")
 
     @property
@@ -93,7 +101,8 @@ class UcxOptions:
     @property
     def tcp(self) -> tcplane.Settings:
         """The ``tcp`` lane's settings (a producer adds its hosts: :class:`~.server.Server`)."""
-        return tcplane.Settings(port=self.tcp_port, streams=self.tcp_streams, timeout_s=self.timeout_s)
+        return tcplane.Settings(port=self.tcp_port, streams=self.tcp_streams, timeout_s=self.timeout_s,
+                               sndbuf=self.tcp_sndbuf)
 
     @property
     def registry(self) -> Path:

@@ -36,6 +36,10 @@ from kvbridge.errors import PeerUnreachable
 log = logging.getLogger(__name__)
 
 ADDRESS, SECRET = "ucx1s_tcp", "ucx1s_tcp_secret"  # handshake transport keys: "host:port", the secret (hex)
+# A producer's send buffer per connection: small enough that the bytes in flight stay in the CPU's caches,
+# large enough for a datacenter link's bytes in flight over 4 streams (the reason: tcp_serve.c's header;
+# bench case: benches/tcp_lane_probe.py, rows scat:4 with @KVB... and `kvbridge bench hosts`)
+SNDBUF = 512 << 10
 IDLE_S = 300.0  # a producer closes a connection idle this long; consumers reuse theirs for less (tcp_read.c)
 
 
@@ -50,6 +54,7 @@ class Settings:
     # consumer: a read is over by its start + timeout_s, whole; producer: each request answered by its
     # arrival + timeout_s (and the hello by the accept's); bytes that keep trickling in do not extend either
     timeout_s: float = 10.0
+    sndbuf: int = SNDBUF  # each served connection's SO_SNDBUF (0: the kernel's auto-tuned one)
 
 
 def why_not() -> str:
@@ -88,7 +93,7 @@ class Server:
         self.secret = secrets.token_bytes(32)
         host = _listen_address(settings.host)
         self._server: Any = mod.TcpServer(host, settings.port, regions, self.secret, seals=seals,
-                                          timeout_s=settings.timeout_s, idle_s=IDLE_S)
+                                          timeout_s=settings.timeout_s, idle_s=IDLE_S, sndbuf=settings.sndbuf)
         self.address = f"{settings.advertise}:{self._server.port}"
 
     def transport(self) -> dict[str, bytes]:

@@ -16,8 +16,11 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
 - ``tcp:1``, ``tcp:4``: plain TCP sockets in Python (``sendall`` / ``recv_into``) moving the same byte count
   as one buffer over 1 and 4 streams at once; the warm-up's bytes compared.
 - ``ctcp:1``, ``ctcp:4``: the same in C at kernel speed (:mod:`kvbridge.bench.rawtcp`): the raw medium a
-  C lane is held to. Any stream count is a row (``tcp:8``, ``ctcp:2``); the ratio column divides by the
-  best of every ``tcp:N`` and ``ctcp:N`` row of the same cap and size.
+  C lane is held to, with the kernel's auto-tuned buffers and blocking sends.
+- ``ctcp-sndbuf:4``: the same with the socket settings of kvbridge's tcp lane (each send buffer capped at
+  the lane's ``tcp_sndbuf`` default, non-blocking sends): the lane is held to the best the medium does with
+  them too. Any stream count is a row (``tcp:8``, ``ctcp:2``, ``ctcp-sndbuf:8``); the ratio column divides
+  by the best of every plain-TCP row of the same cap and size.
 - ``ucp-get``: one ucp GET of the bytes as one buffer over UCX's tcp with peer error handling
   (:mod:`kvbridge.bench.peers` ``ucp-get:tcp``): the medium of kvbridge's cross-host lane.
 - ``nixl``, ``mooncake``: NIXL's READ over UCX tcp and Mooncake's TCP transfer engine of the same
@@ -54,10 +57,12 @@ from typing import Any
 from kvbridge.bench import cold, peers, rawtcp
 from kvbridge.bench.baselines import Unavailable
 from kvbridge.bench.core import SHAPES, Point
+from kvbridge.connectors.ucx import tcplane
 from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable
 
-ROWS = ("kvbridge", "kvbridge-ucp", "tcp:1", "tcp:4", "ctcp:1", "ctcp:4", "ucp-get", "nixl", "mooncake", "cma")
-PLAIN_TCP = ("tcp:", "ctcp:")  # plain-TCP rows, any stream count (tcp:8, ctcp:8 ...): the ratios' bar
+ROWS = ("kvbridge", "kvbridge-ucp", "tcp:1", "tcp:4", "ctcp:1", "ctcp:4", "ctcp-sndbuf:4", "ucp-get", "nixl",
+        "mooncake", "cma")
+PLAIN_TCP = ("tcp:", "ctcp:", "ctcp-sndbuf:")  # plain-TCP rows, any stream count (tcp:8, ctcp:8 ...): the bar
 DEFAULT_ROWS = ROWS[:-1]
 CAPS = ("none", "25gbit", "10gbit")
 _PEER_ROWS = {"ucp-get": "ucp-get:tcp", "nixl": "nixl:tcp", "mooncake": "mooncake:tcp", "cma": "cma"}
@@ -174,10 +179,11 @@ def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: floa
                  timeout_s, python=True)
 
 
-def _ctcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
+def _ctcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S,
+          sndbuf: int = 0) -> list[float]:
     exe = rawtcp.binary()
     evict_bytes = 0 if not cold.evicting() else 2 * cold.llc_bytes()
-    return _pair(a, b, "ctcp", [exe, "send", str(nbytes), str(streams)],
+    return _pair(a, b, "ctcp", [exe, "send", str(nbytes), str(streams), str(sndbuf)],
                  lambda port: [exe, "recv", a.address, str(port), str(nbytes), str(streams), str(reps), str(evict_bytes)],
                  timeout_s, python=False)
 
@@ -191,6 +197,8 @@ def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: 
         return _tcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s)
     if row.startswith("ctcp:"):
         return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s)
+    if row.startswith("ctcp-sndbuf:"):
+        return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s, sndbuf=tcplane.SNDBUF)
     name = _PEER_ROWS[row]
     why = peers.PEERS[name].missing()
     if why:
@@ -259,7 +267,7 @@ def table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def _plain_tcp(row: str) -> bool:
-    """``tcp:N`` or ``ctcp:N`` with 1 <= N <= 64."""
+    """``tcp:N``, ``ctcp:N`` or ``ctcp-sndbuf:N`` with 1 <= N <= 64."""
     kind, _, n = row.partition(":")
     return f"{kind}:" in PLAIN_TCP and n.isdigit() and 1 <= int(n) <= 64
 

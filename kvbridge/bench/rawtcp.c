@@ -1,7 +1,7 @@
 /* The cross-host bench's raw medium: plain TCP in C, the same bytes over N streams, no protocol beyond a
  * one-byte ask per stream (kvbridge/bench/rawtcp.py compiles and runs it; rows `ctcp:N`).
  *
- *   rawtcp send NBYTES STREAMS                            listens on every address, prints @@{"port": P}
+ *   rawtcp send NBYTES STREAMS [SNDBUF]                   listens on every address, prints @@{"port": P}
  *   rawtcp recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES  prints @@{"samples": [...]} or @@{"error": ...}
  *
  * The receiver connects STREAMS sockets once (kept for every repetition, as kvbridge keeps its streams),
@@ -12,15 +12,23 @@
  * compared with the pattern.  Blocking sockets, the kernel's default (auto-tuned) buffers, TCP_NODELAY for
  * the asks: what a C program moves over the link at kernel speed, the bar for kvbridge's tcp lane.
  *
+ * SNDBUF > 0 (rows ctcp-sndbuf:N): the sender caps each socket's send buffer at SNDBUF and sends without
+ * blocking, waiting in poll() when the buffer is full, as the tcp lane's server does (tcp_serve.c says
+ * why): the same socket settings in a program with nothing else in it, so that the lane is held to the
+ * best the medium does with them too.
+ *
  * Both buffers are asked for transparent huge pages (madvise), as the ucx worker backs an engine's KV cache
  * (connectors/ucx/hugepages.py): the kernel's copies into and out of the socket then miss the TLB less, and
  * a raw row on small pages would set the bar lower than the medium allows.  KVBRIDGE_RAWTCP_SMALL_PAGES=1 in the environment keeps 4 KiB pages.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -36,7 +44,7 @@
 
 static unsigned char *buf;
 static size_t nbytes;
-static int streams;
+static int streams, sndbuf;
 
 static unsigned char pattern(size_t i) { return (unsigned char)((i * 2654435761u) >> 13) ^ (unsigned char)(i >> 20); }
 
@@ -81,9 +89,15 @@ static void *serve(void *arg) {
     int fd = (int)(intptr_t)arg >> 8, k = (int)(intptr_t)arg & 0xff;
     size_t lo = cut(k), hi = cut(k + 1);
     char ask;
+    int wait = sndbuf ? MSG_DONTWAIT : 0;
     while (recv(fd, &ask, 1, MSG_WAITALL) == 1 && ask == 'g') {
         for (size_t at = lo; at < hi;) {
-            ssize_t r = send(fd, buf + at, hi - at, MSG_NOSIGNAL);
+            ssize_t r = send(fd, buf + at, hi - at, MSG_NOSIGNAL | wait);
+            if (r < 0 && wait && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                struct pollfd p = {fd, POLLOUT, 0};
+                if (poll(&p, 1, -1) < 0 && errno != EINTR) return NULL;
+                continue;
+            }
             if (r <= 0) return NULL;
             at += (size_t)r;
         }
@@ -108,6 +122,7 @@ static int do_send(void) {
         int fd = accept(lfd, NULL, NULL);
         if (fd < 0) fail("accept failed");
         nodelay(fd);
+        if (sndbuf > 0) (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
         pthread_create(&t[k], NULL, serve, (void *)(intptr_t)((fd << 8) | k));
     }
     close(lfd);
@@ -187,9 +202,12 @@ static int do_recv(const char *host, int port, int reps, size_t evict_bytes) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 4) fail("usage: rawtcp send NBYTES STREAMS | recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES");
+    if (argc < 4) fail("usage: rawtcp send NBYTES STREAMS [SNDBUF] | recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES");
     int sending = strcmp(argv[1], "send") == 0;
     if (!sending && argc != 8) fail("usage: rawtcp recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES");
+    if (sending && argc > 5) fail("usage: rawtcp send NBYTES STREAMS [SNDBUF]");
+    sndbuf = sending && argc == 5 ? atoi(argv[4]) : 0;
+    if (sndbuf < 0) fail("SNDBUF >= 0");
     nbytes = strtoull(argv[sending ? 2 : 4], NULL, 10);
     streams = atoi(argv[sending ? 3 : 5]);
     if (!nbytes || streams < 1 || streams > MAX_STREAMS) fail("NBYTES > 0 and STREAMS in [1, 64]");

@@ -86,8 +86,8 @@ KVB_INTERNAL int tcp_recv_all(int fd, void *buf, size_t len, double until);
 KVB_INTERNAL int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double until, int *err);
 /* A numeric host and port as a socket address: 0, or EINVAL. */
 KVB_INTERNAL int tcp_address(const char *host, int port, struct sockaddr_storage *out, socklen_t *len);
-/* fd made non-blocking and TCP_NODELAY (headers are small and answered at once). */
-KVB_INTERNAL void tcp_tune(int fd);
+/* fd made non-blocking and TCP_NODELAY (headers are small and answered at once); sndbuf > 0: its SO_SNDBUF. */
+KVB_INTERNAL void tcp_tune(int fd, int sndbuf);
 /* Name the calling thread (top -H, /proc/<pid>/task, tests). */
 KVB_INTERNAL void tcp_name_thread(const char *name);
 

@@ -83,10 +83,11 @@ int tcp_recv_all(int fd, void *buf, size_t len, double until) {
     return len ? tcp_recvv(fd, &v, 1, until) : 0;
 }
 
-void tcp_tune(int fd) {
+void tcp_tune(int fd, int sndbuf) {
     int one = 1;
     (void)fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
     (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (sndbuf > 0) (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf)); /* tcp_serve.c says why */
 }
 
 int tcp_address(const char *host, int port, struct sockaddr_storage *out, socklen_t *len) {
@@ -115,7 +116,7 @@ int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double until, in
         *err = errno;
         return -1;
     }
-    tcp_tune(fd);
+    tcp_tune(fd, 0); /* a consumer sends only requests; its receive buffer stays the kernel's auto-tuned one */
     if (connect(fd, addr, addrlen) < 0 && errno != EINPROGRESS) {
         *err = errno;
         close(fd);

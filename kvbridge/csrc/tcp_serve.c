@@ -1,12 +1,22 @@
 /* The tcp lane's producer side: kvbridge._core.TcpServer serves byte ranges of the registered KV regions to
  * consumers that present the registration's secret (wire: tcp.h).
  *
- *   TcpServer(host, port, regions, secret, *, seals=(0, 0), timeout_s=10, idle_s=300)
+ *   TcpServer(host, port, regions, secret, *, seals=(0, 0), timeout_s=10, idle_s=300, sndbuf=0)
  *     .port, .stats() -> (connections, requests, bytes, refused), .close(timeout_s=10) -> bool
  *
  * One thread accepts; each connection gets a thread of its own that answers its requests in order, so a
  * consumer's N streams are served at once and the producer's engine never steps for them.  The data goes
  * from the KV's memory to the socket with sendmsg (one copy, into the socket's buffer; no staging).
+ *
+ * The send buffer: sndbuf > 0 caps each connection's (SO_SNDBUF; the kernel doubles it for its own
+ * bookkeeping).  The kernel's auto-tuned one grows to megabytes per stream, and the bytes copied into it
+ * wait there, unsent, until the CPU's caches have dropped them; the copy out of the socket (a consumer
+ * on this host, another pod) or the NIC's read then goes to memory again.  A send buffer of a few hundred
+ * KiB per stream keeps what is in flight inside the caches, and the non-blocking sends below refill it as
+ * soon as it drains (a blocking send() gains nothing from the cap: `kvbridge bench hosts`, rows ctcp:4 and
+ * ctcp-sndbuf:4).  Enough for the link as long as streams x cap covers its bytes in flight (bandwidth x
+ * round trip): 4 x 1 MiB is 100 Gbit/s at 300 us.  Bench case: benches/tcp_lane_probe.py, rows
+ * scat:4@... with and without the cap.
  *
  * Safety: a request is served only if every range lies inside one registered region (the rest of the
  * process is never readable), only on a connection whose hello carried the secret, and the seal word
@@ -44,6 +54,7 @@ typedef struct server {
     uint64_t seal_lo, seal_hi;
     uint8_t secret[TCP_SECRET_BYTES];
     double timeout_s, idle_s;
+    int sndbuf; /* each connection's SO_SNDBUF, 0: the kernel's */
     pthread_mutex_t lock;
     pthread_cond_t gone;
     int threads; /* alive: the accept thread and each connection's */
@@ -187,7 +198,7 @@ static void *accept_main(void *arg) {
         if (!(p[0].revents & POLLIN)) continue;
         int fd = accept4(s->lfd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) continue;
-        tcp_tune(fd);
+        tcp_tune(fd, s->sndbuf);
         pthread_mutex_lock(&s->lock);
         int slot = -1;
         for (int i = 0; i < SERVE_MAX_CONNS && slot < 0 && !s->stopping; i++)
@@ -261,22 +272,25 @@ static int server_stop(TcpServerObject *o, double timeout_s) {
 }
 
 static int server_init(TcpServerObject *o, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"host", "port", "regions", "secret", "seals", "timeout_s", "idle_s", NULL};
+    static char *kwlist[] = {"host", "port", "regions", "secret", "seals", "timeout_s", "idle_s", "sndbuf", NULL};
     const char *host;
     int port;
     PyObject *regions;
     Py_buffer secret;
     unsigned long long seal_lo = 0, seal_len = 0;
     double timeout_s = 10.0, idle_s = 300.0;
+    int sndbuf = 0;
     if (o->s) {
         PyErr_SetString(PyExc_RuntimeError, "TcpServer: already started");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "siOy*|$(KK)dd", kwlist, &host, &port, &regions, &secret, &seal_lo,
-                                     &seal_len, &timeout_s, &idle_s))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "siOy*|$(KK)ddi", kwlist, &host, &port, &regions, &secret, &seal_lo,
+                                     &seal_len, &timeout_s, &idle_s, &sndbuf))
         return -1;
-    int ok = secret.len == TCP_SECRET_BYTES && timeout_s > 0 && idle_s > 0;
-    if (!ok) PyErr_Format(PyExc_ValueError, "TcpServer: the secret must be %d bytes, timeouts > 0", TCP_SECRET_BYTES);
+    int ok = secret.len == TCP_SECRET_BYTES && timeout_s > 0 && idle_s > 0 && sndbuf >= 0;
+    if (!ok)
+        PyErr_Format(PyExc_ValueError, "TcpServer: the secret must be %d bytes, timeouts > 0, sndbuf >= 0",
+                     TCP_SECRET_BYTES);
     PyObject *seq = ok ? PySequence_Fast(regions, "TcpServer: regions must be a sequence of (address, length)") : NULL;
     server *s = seq ? calloc(1, sizeof(server)) : NULL;
     if (seq && !s) PyErr_NoMemory();
@@ -299,6 +313,7 @@ static int server_init(TcpServerObject *o, PyObject *args, PyObject *kw) {
     s->seal_hi = seal_lo + seal_len;
     s->timeout_s = timeout_s;
     s->idle_s = idle_s;
+    s->sndbuf = sndbuf;
     pthread_mutex_init(&s->lock, NULL);
     pthread_cond_init(&s->gone, NULL);
     struct sockaddr_storage addr;
@@ -370,7 +385,7 @@ static PyGetSetDef server_getset[] = {{"port", (getter)server_port, NULL, "the p
 
 PyTypeObject TcpServerType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvbridge._core.TcpServer",
-    .tp_doc = "TcpServer(host, port, regions, secret, *, seals=(0, 0), timeout_s=10, idle_s=300): serves the "
+    .tp_doc = "TcpServer(host, port, regions, secret, *, seals=(0, 0), timeout_s=10, idle_s=300, sndbuf=0): serves the "
               "registered regions' bytes to consumers holding the secret (the tcp lane)",
     .tp_basicsize = sizeof(TcpServerObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,

@@ -46,7 +46,7 @@ def serve(args: argparse.Namespace) -> None:
     seals = np.zeros(64, dtype=np.uint64)
     secret = os.urandom(32)
     server = core.TcpServer(args.host, 0, [(buf.ctypes.data, buf.nbytes)], secret,
-                            seals=(seals.ctypes.data, seals.nbytes), timeout_s=args.timeout)
+                            seals=(seals.ctypes.data, seals.nbytes), timeout_s=args.timeout, sndbuf=args.sndbuf)
     _say({"port": server.port, "secret": secret.hex(), "address": buf.ctypes.data, "length": buf.nbytes,
           "seals": seals.ctypes.data, "pid": os.getpid()})
     raw = buf.view(np.uint8)
@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--secret", default="")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=5.0)
+    ap.add_argument("--sndbuf", type=int, default=0, help="the server's SO_SNDBUF per connection (0: the kernel's)")
     args = ap.parse_args()
     serve(args) if args.role == "serve" else read(args)
 
