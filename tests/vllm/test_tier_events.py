@@ -11,11 +11,13 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace as NS
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from kvbridge.connectors import fs
 from test_adapter import BS as ABS
@@ -50,6 +52,21 @@ def _request(rid: str, tokens: list[int]) -> Any:
               prompt_token_ids=tokens, all_token_ids=tokens, lora_request=None)
 
 
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[MiniEngine]:
+    """A producer MiniEngine on a real ``fs`` store in ``tmp_path``."""
+    engine = MiniEngine(kvbridge.create_backend("fs", {"path": str(tmp_path)}), engine_id="p", role="producer",
+                        num_blocks=64)
+    yield engine
+    engine.close()
+
+
+def _saved(engine: MiniEngine, rid: str, tokens: list[int]) -> Any:
+    """Prefill ``rid`` on ``engine`` (its blocks saved to the store) and give its vLLM-like request."""
+    engine.prefill(rid, tokens)
+    return _request(rid, tokens)
+
+
 def _stored(events: list[Any]) -> set[Any]:
     return {h for e in events if type(e).__name__ == "BlockStored" for h in e.block_hashes}
 
@@ -58,19 +75,15 @@ def _removed(events: list[Any]) -> set[Any]:
     return {h for e in events if type(e).__name__ == "BlockRemoved" for h in e.block_hashes}
 
 
-def test_a_request_whose_objects_went_is_removed_whole_not_credited_with_the_next_ones(tmp_path: Path) -> None:
+def test_a_request_whose_objects_went_is_removed_whole_not_credited_with_the_next_ones(engine: MiniEngine) -> None:
     """B (whose last chunk is partial) is published before A; then B's objects are deleted. Asking the fs
     index about B's keys followed by A's in one question would let A's first chunk end, which is present,
     vouch for B's tail (fs reads a chunk's last block as proof of the ones before it): B's tail would stay
     published. Every one of B's blocks must be removed, and none of A's."""
-    engine = MiniEngine(kvbridge.create_backend("fs", {"path": str(tmp_path)}), engine_id="p", role="producer",
-                        num_blocks=64)
     events = TierEvents([Tier("DISK", engine.scheduler.index.members)], BS, scan_s=0.0)  # type: ignore[attr-defined]
     try:
         tok_b, tok_a = _tokens(20, True, 1), _tokens(20, False, 100)
-        engine.prefill("b", tok_b)
-        engine.prefill("a", tok_a)
-        req_b, req_a = _request("b", tok_b), _request("a", tok_a)
+        req_b, req_a = _saved(engine, "b", tok_b), _saved(engine, "a", tok_a)
         events.finished(req_b, _keys(tok_b))
         events.finished(req_a, _keys(tok_a))
         events.step()
@@ -90,7 +103,6 @@ def test_a_request_whose_objects_went_is_removed_whole_not_credited_with_the_nex
         assert _removed(after) == req_b.published, after
     finally:
         events.close()
-        engine.close()
 
 
 def test_a_tier_that_never_stores_is_asked_at_most_every_scan_s() -> None:
@@ -144,13 +156,11 @@ def _step_returns(events: TierEvents, timeout: float = 10.0) -> bool:
     return not stepper.is_alive()
 
 
-def test_a_tier_stuck_in_members_does_not_hold_the_engines_step(tmp_path: Path) -> None:
+def test_a_tier_stuck_in_members_does_not_hold_the_engines_step(engine: MiniEngine) -> None:
     """A real fs store holds a request's blocks; its index's ``members()`` is made to wait on an Event (the
     only test double here: it stands for a slow file system, a stat stuck on a network mount). While it
     waits, the step hands its work over and returns, a second request's end is noted and take() gives
     nothing yet; once the tier answers, the events come — each question one request's keys, in order."""
-    engine = MiniEngine(kvbridge.create_backend("fs", {"path": str(tmp_path)}), engine_id="p", role="producer",
-                        num_blocks=64)
     index = engine.scheduler.index  # type: ignore[attr-defined]
     entered, gate = threading.Event(), threading.Event()
     questions: list[tuple[bytes, ...]] = []
@@ -164,9 +174,7 @@ def test_a_tier_stuck_in_members_does_not_hold_the_engines_step(tmp_path: Path) 
     events = TierEvents([Tier("DISK", slow_members)], BS, scan_s=0.0)
     try:
         tok_a, tok_b = _tokens(8, False, 7), _tokens(8, False, 70)
-        engine.prefill("a", tok_a)
-        engine.prefill("b", tok_b)
-        req_a, req_b = _request("a", tok_a), _request("b", tok_b)
+        req_a, req_b = _saved(engine, "a", tok_a), _saved(engine, "b", tok_b)
         events.finished(req_a, _keys(tok_a))
         assert _step_returns(events)
         assert entered.wait(30), "the thread never asked the tier"
@@ -186,10 +194,9 @@ def test_a_tier_stuck_in_members_does_not_hold_the_engines_step(tmp_path: Path) 
     finally:
         gate.set()
         events.close()
-        engine.close()
 
 
-def test_requests_ended_while_the_thread_is_behind_keep_the_newest(tmp_path: Path) -> None:
+def test_requests_ended_while_the_thread_is_behind_keep_the_newest() -> None:
     """The hand-over queue holds ``max_pending`` requests: past that, while the thread is stuck, the oldest
     waiting is dropped unasked (counted in ``dropped``; a router under-counts, never over-counts). The
     tier here is a plain function that holds everything once let through (stuck: a test double of a slow
@@ -286,3 +293,30 @@ def test_the_connector_publishes_its_tier_and_its_shutdown_ends_the_thread(vl: A
         worker.shutdown()
     assert not any(t.name == "kvbridge-tier-events" for t in threading.enumerate()), "the connector's shutdown leaked it"
 
+
+
+def test_events_nobody_takes_stop_the_asking_until_taken() -> None:
+    """``max_events`` untaken events: the thread asks nothing more (its memory stays bounded by that and one
+    round's events) until take() empties them; then the waiting request is asked and published."""
+    asked: list[int] = []
+
+    def members(keys: Any) -> list[int]:
+        asked.append(len(keys))
+        return list(range(len(keys)))
+
+    events = TierEvents([Tier("CPU", members)], BS, max_events=1, scan_s=0.0)
+    try:
+        first, second = list(range(2 * BS)), list(range(5000, 5000 + 2 * BS))
+        events.finished(_request("r0", first), _keys(first))
+        events.step()
+        assert events.drain(30) and asked
+        before = len(asked)
+        events.finished(_request("r1", second), _keys(second))
+        events.step()
+        assert events.drain(30) and len(asked) == before, "asked while an event waited untaken"
+        assert len(events.take()) == 1
+        events.step()
+        assert events.drain(30) and len(asked) > before
+        assert _stored(events.take()) == _request("r1", second).published
+    finally:
+        events.close()
