@@ -44,18 +44,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbridge.bench import cold, peers, rawtcp
 from kvbridge.bench.baselines import Unavailable
+from kvbridge.bench.child import HOST_SPEECH, Hung, JsonChild
 from kvbridge.bench.core import SHAPES, Point
 from kvbridge.connectors.ucx import tcplane
 from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable
@@ -72,65 +70,13 @@ _ENV = {"UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
 CHILD_TIMEOUT_S = 300.0
 
 
-class Hung(Unavailable):
-    """A child said nothing within its deadline and was killed: its row failed (not "not installed")."""
-
-
-class _Proc:
-    """A child on a host speaking ``@@`` JSON lines, read by a thread so that every wait has a deadline."""
+class _Proc(JsonChild):
+    """A child on a host (:class:`~kvbridge.bench.child.JsonChild`, spoken to as ``HOST_SPEECH``), killed and
+    :class:`Hung` when it says nothing for ``timeout_s``."""
 
     def __init__(self, host: Host, argv: Sequence[str], timeout_s: float = CHILD_TIMEOUT_S, python: bool = True):
-        self.err = tempfile.TemporaryFile(mode="w+")
-        self.timeout_s = timeout_s
-        self.proc = host.popen([sys.executable, *argv] if python else list(argv), stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE,
-                               stderr=self.err, text=True, env={**os.environ, **_ENV})
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, name=f"bench-child-{self.proc.pid}", daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        try:
-            for line in self.proc.stdout:
-                if line.startswith("@@") or line.startswith("{"):
-                    self._lines.put(line.removeprefix("@@"))
-        except (OSError, ValueError):  # the pipe closed under us (close() after a hang)
-            pass
-        self._lines.put(None)
-
-    def _stderr(self) -> str:
-        self.err.seek(0)
-        return self.err.read()[-400:]
-
-    def line(self, what: str) -> dict[str, Any]:
-        """The child's next message; :class:`Hung` (the child killed) if none comes within ``timeout_s``."""
-        try:
-            got = self._lines.get(timeout=self.timeout_s)
-        except queue.Empty:
-            self.proc.kill()
-            self.proc.wait(10)
-            raise Hung(f"{what}: no answer within {self.timeout_s:g}s, killed; stderr: {self._stderr()!r}") from None
-        if got is None:
-            raise Unavailable(f"{what} exited (rc {self.proc.wait()}): {self._stderr()}")
-        msg = dict(json.loads(got))
-        if "error" in msg:
-            raise Unavailable(f"{what}: {msg['error']}")
-        return msg
-
-    def say(self, msg: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.say({"op": "quit"})
-            self.proc.wait(20)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(10)
-        self.err.close()
+        super().__init__([sys.executable, *argv] if python else argv, env={**os.environ, **_ENV}, speech=HOST_SPEECH,
+                         timeout_s=timeout_s, kill_silent=True, popen=host.popen)  # fmt: skip
 
 
 def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "thread", lane: str = "auto",

@@ -53,16 +53,13 @@ import functools
 import importlib.util
 import json
 import os
-import queue
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import Any
 
 from kvbridge.bench.baselines import Unavailable
+from kvbridge.bench.child import PEER_SPEECH, JsonChild
 from kvbridge.bench.core import SHAPES, Point, Timing
 from kvbridge.bench.pool import request_blocks
 
@@ -150,56 +147,11 @@ def spec(name: str, point: Point, reps: int, *, warmup: int = 1, timeout_s: floa
     }
 
 
-class _Child:
-    """A child of :mod:`kvbridge.bench._peer_child`: its ``@@`` lines on a queue, its stderr in a file."""
-
-    def __init__(self, role: str, spec: dict[str, Any], env: dict[str, str], prefix: Sequence[str] = ()):
-        self.err = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvbridge.bench._peer_child", role], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True, env=env)  # fmt: skip
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        assert self.proc.stdout is not None
-        threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
-        self.say(spec)
-
-    def _pump(self, out: IO[str]) -> None:
-        for line in out:
-            if line.startswith("@@"):
-                self.lines.put(line[2:])
-        self.lines.put(None)
-
-    def say(self, msg: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("@@" + json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-
-    def line(self, timeout: float, what: str) -> dict[str, Any]:
-        try:
-            got = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise Unavailable(f"{what}: no answer within {timeout:.0f}s{self.stderr()}") from None
-        if got is None:
-            raise Unavailable(f"{what} exited (rc {self.proc.wait()}){self.stderr()}")
-        msg = dict(json.loads(got))
-        if "error" in msg:
-            raise Unavailable(f"{what}: {msg['error']}")
-        return msg
-
-    def stderr(self) -> str:
-        self.err.seek(0)
-        tail = [ln for ln in self.err.read().strip().splitlines() if ln.strip()][-3:]
-        return (": " + " | ".join(tail))[:400] if tail else ""
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.proc.stdin.write("quit\n")  # type: ignore[union-attr]
-                self.proc.stdin.flush()  # type: ignore[union-attr]
-            self.proc.wait(20)
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-        self.err.close()
+def _child(role: str, spec: dict[str, Any], env: dict[str, str], prefix: Sequence[str] = ()) -> JsonChild:
+    """A :mod:`kvbridge.bench._peer_child` child (spoken to as ``PEER_SPEECH``), told its spec."""
+    child = JsonChild([*prefix, sys.executable, "-m", "kvbridge.bench._peer_child", role], env=env, speech=PEER_SPEECH)
+    child.say(spec)
+    return child
 
 
 def measure(name: str, point: Point, reps: int, *, warmup: int = 1, timeout_s: float = 120.0) -> PeerTiming:
@@ -222,12 +174,12 @@ def run_spec(s: dict[str, Any], prefixes: tuple[Sequence[str], Sequence[str]] = 
     env.pop("UCX_TLS", None)  # the bench's own UCX runtime may have set it; each row names its lane
     if s["tls"]:
         env["UCX_TLS"] = s["tls"]
-    prod = _Child("serve", s, env, prefixes[0])
-    cons = _Child("read", s, env, prefixes[1])
+    prod = _child("serve", s, env, prefixes[0])
+    cons = _child("read", s, env, prefixes[1])
     try:
         start = 60.0
-        cons.say(prod.line(start, f"{name} producer"))
-        out = cons.line(start + s["timeout_s"] * (s["reps"] + s["warmup"]), f"{name} consumer")
+        cons.say(prod.line(f"{name} producer", start))
+        out = cons.line(f"{name} consumer", start + s["timeout_s"] * (s["reps"] + s["warmup"]))
         return PeerTiming(tuple(float(v) for v in out["samples"]), f"{name}: {out.get('note', '')}")
     finally:
         cons.close()

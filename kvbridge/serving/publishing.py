@@ -44,6 +44,7 @@ from kvbridge.addresses import parse_http_url
 from kvbridge.errors import ConfigError
 from kvbridge.keys import ROUTE_TOKENS, route_keys
 from kvbridge.metadata.holdings import Holdings, check_directory_url, open_directory
+from kvbridge.routable import is_wildcard
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +129,45 @@ def kv_events_endpoint(vllm_config: Any) -> tuple[str, str] | None:
         from vllm.distributed.kv_events import ZmqEventPublisher
 
         endpoint = str(ZmqEventPublisher.offset_endpoint_port(endpoint, dp_rank))
-    if endpoint.startswith("tcp://"):  # the publisher binds every interface; we are on its host
-        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-        if host in ("*", "0.0.0.0", ""):
-            endpoint = f"tcp://127.0.0.1:{port}"
+    host, port = _tcp_parts(endpoint)
+    if host is not None and _every_interface(host):  # the publisher binds every interface; we are on its host
+        if port == "0":
+            raise ConfigError(f"--kv-events-config endpoint {endpoint}: port 0 (the OS picks one) cannot be followed; "
+                              "set a fixed port, e.g. tcp://*:5557")  # fmt: skip
+        endpoint = f"tcp://{'[::1]' if ':' in host else '127.0.0.1'}:{port}"  # loopback of the family it bound
     return endpoint, str(getattr(cfg, "topic", "") or "")
+
+
+def _tcp_parts(endpoint: str) -> tuple[str | None, str]:
+    """(host, port) of a ``tcp://HOST:PORT`` endpoint (``HOST`` as written, IPv6 in brackets); no host for others."""
+    if not endpoint.startswith("tcp://"):
+        return None, ""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    return host, port
+
+
+def _every_interface(host: str) -> bool:
+    """A bind address, not one to dial: :func:`kvbridge.routable.is_wildcard`'s spellings and ZMQ's ``*``."""
+    return host == "*" or is_wildcard(host)
+
+
+def subscriber_endpoint(endpoint: str) -> str:
+    """``endpoint`` checked as one a subscriber connects to: ``tcp://HOST:PORT`` (IPv4, a name, or IPv6 in
+    brackets) or ``ipc://`` / ``inproc://``; a wildcard is a :class:`ConfigError` naming what to give."""
+    host, port = _tcp_parts(endpoint)
+    if host is None:
+        if endpoint.startswith(("ipc://", "inproc://")):
+            return endpoint
+        raise ConfigError(f"KV-event endpoint {endpoint!r}: expected tcp://HOST:PORT (or ipc://PATH)")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"KV-event endpoint {endpoint!r}: expected tcp://HOST:PORT with a port in 1..65535")
+    if _every_interface(host):
+        loop = "[::1]" if ":" in host else "127.0.0.1"
+        raise ConfigError(f"KV-event endpoint {endpoint!r} names every interface, which the engine binds, not an "
+                          f"address to connect to: give the engine's host (tcp://{loop}:{port} on its machine)")
+    if ":" in host and not host.startswith("["):
+        raise ConfigError(f"KV-event endpoint {endpoint!r}: an IPv6 address goes in brackets, tcp://[{host}]:{port}")
+    return endpoint
 
 
 class KVEventFeed:
@@ -153,7 +188,9 @@ class KVEventFeed:
 
         self.holdings, self.model = holdings, model
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        endpoint = subscriber_endpoint(endpoint)
         self._sock: Any = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.IPV6, 1)  # an IPv6 endpoint connects too; IPv4 ones still do
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVTIMEO, 200)  # so the thread sees close()
         self._sock.setsockopt_string(zmq.SUBSCRIBE, topic)
@@ -256,7 +293,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     parser.description = ("Follow a vLLM engine's KV-cache events (--kv-events-config with the zmq publisher) and keep "
                           "its prefix cache published in a block directory for kvbridge proxy --directory.")  # fmt: skip
-    parser.add_argument("--kv-events", required=True, metavar="tcp://HOST:PORT", help="the engine's KV-event endpoint")
+    parser.add_argument("--kv-events", required=True, metavar="tcp://HOST:PORT", type=checked(subscriber_endpoint),
+                        help="the engine's KV-event endpoint (IPv6: tcp://[ADDR]:PORT)")  # fmt: skip
     parser.add_argument("--topic", default="", help="the engine's KV-event topic (default none)")
     parser.add_argument("--directory", required=True, metavar="URL", type=checked(check_directory_url),
                         help="redis://HOST:PORT/DB or grpc://HOST:PORT")  # fmt: skip
@@ -281,4 +319,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["KEYS", "CachePublisher", "KVEventFeed", "PublishOptions", "configure", "kv_events_endpoint", "run", "served_name"]
+__all__ = ["KEYS", "CachePublisher", "KVEventFeed", "PublishOptions", "configure", "kv_events_endpoint", "run", "served_name",
+           "subscriber_endpoint"]

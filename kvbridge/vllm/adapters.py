@@ -155,6 +155,8 @@ class SchedulerAdapter:
         return delay, params
 
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()  # its thread asks the side's index: stopped before the side closes
         if self.publisher is not None:
             self.publisher.close()
         self.side.close()

@@ -197,3 +197,111 @@ def test_a_block_stays_published_while_any_medium_holds_it(directory: str) -> No
             assert depth() == 4, "held by the GPU again"
             send(BlockRemoved(block_hashes=[21, 22], medium="GPU", group_idx=0))
             assert eventually(lambda: depth() == 0) and holdings.held() == []
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(("bound", "dialled"), [
+    ("tcp://*:{port}", "tcp://127.0.0.1:{port}"),
+    ("tcp://0.0.0.0:{port}", "tcp://127.0.0.1:{port}"),
+    ("tcp://[::]:{port}", "tcp://[::1]:{port}"),
+    ("tcp://127.0.0.1:{port}", "tcp://127.0.0.1:{port}"),
+    ("tcp://[::1]:{port}", "tcp://[::1]:{port}"),
+])  # fmt: skip
+def test_the_feed_hears_an_engine_bound_at_each_address_form(directory: str, bound: str, dialled: str) -> None:
+    """The engine's ``--kv-events-config`` endpoint, as :func:`kv_events_endpoint` turns it into one to dial
+    (a wildcard: the loopback of its family; ``::`` is IPv6 only), and a :class:`KVEventFeed` that hears a
+    real ZMQ publisher bound there. The publisher is a plain PUB socket with ``IPV6`` on, sending vLLM's
+    own encoded batches: vLLM 0.32's ``ZmqEventPublisher`` binds without ``IPV6``, so it cannot bind
+    ``[::]`` at all (ENODEV); a publisher that can must still be followed."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from kvbridge.serving.publishing import KVEventFeed, kv_events_endpoint
+
+    if "[" in bound and not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    port = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.IPV6, 1)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(bound.format(port=port))
+    cfg = NS(kv_events_config=NS(enable_kv_cache_events=True, publisher="zmq", endpoint=bound.format(port=port), topic="kv"),
+             parallel_config=NS(data_parallel_rank=0))  # fmt: skip
+    endpoint, topic = kv_events_endpoint(cfg) or ("", "")
+    assert (endpoint, topic) == (dialled.format(port=port), "kv")
+    holdings = Holdings(open_directory(directory), "http://e:1", address="http://e:1", ttl_s=10)
+    feed = KVEventFeed(endpoint, topic, holdings, "tiny")
+    tokens = list(range(32))
+    batch = KVEventBatch(ts=time.time(), events=[BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=tokens, block_size=32,
+                                                             lora_id=None, medium="GPU", lora_name=None)])  # fmt: skip
+    try:
+        for _ in range(100):  # a SUB socket joins a moment after it connects: resend until it is heard
+            pub.send_multipart([b"kv", (0).to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+            if eventually(lambda: feed.seen > 0, 0.1):
+                break
+        assert feed.seen > 0, f"no event heard from {bound} at {endpoint}"
+        assert eventually(lambda: held_depth(open_directory(directory), "http://e:1", route_keys(tokens, "tiny")) == 2)
+    finally:
+        feed.close()
+        holdings.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://[::]:5557", "tcp://:5557",
+                                      "tcp://::1:5557", "tcp://127.0.0.1:0", "tcp://127.0.0.1", "udp://1.2.3.4:5"])
+def test_an_endpoint_a_subscriber_cannot_dial_is_refused_with_what_to_give(endpoint: str) -> None:
+    """``kvbridge publish --kv-events`` (and :class:`KVEventFeed`): a wildcard names the fix (the engine's
+    host; the loopback of that family on its machine), as do an unbracketed IPv6 address and a bad port."""
+    from kvbridge.serving.publishing import subscriber_endpoint
+
+    with pytest.raises(ConfigError) as caught:
+        subscriber_endpoint(endpoint)
+    message = str(caught.value)
+    assert endpoint in message
+    if endpoint in ("tcp://*:5557", "tcp://0.0.0.0:5557", "tcp://:5557"):
+        assert "every interface" in message and "tcp://127.0.0.1:5557" in message
+    if endpoint == "tcp://[::]:5557":
+        assert "every interface" in message and "tcp://[::1]:5557" in message
+    if endpoint == "tcp://::1:5557":
+        assert "tcp://[::1]:5557" in message
+
+
+def test_a_port_0_publisher_is_refused_at_start_up() -> None:
+    """An engine bound at port 0 (the OS picks) cannot be followed from its config: refused, naming the fix."""
+    from kvbridge.serving.publishing import kv_events_endpoint
+
+    cfg = NS(kv_events_config=NS(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:0", topic=""),
+             parallel_config=NS(data_parallel_rank=0))  # fmt: skip
+    with pytest.raises(ConfigError, match="fixed port"):
+        kv_events_endpoint(cfg)
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5557", "tcp://[::1]:5557", "tcp://engine-0:5557", "ipc:///tmp/kv"])
+def test_an_endpoint_to_dial_is_taken_as_given(endpoint: str) -> None:
+    from kvbridge.serving.publishing import subscriber_endpoint
+
+    assert subscriber_endpoint(endpoint) == endpoint
+
+
+def test_kvbridge_publish_refuses_a_wildcard_before_it_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from kvbridge.serving.publishing import configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--kv-events", "tcp://[::]:5557", "--directory", "grpc://127.0.0.1:1", "--advertise-url",
+                           "http://127.0.0.1:8000", "--model", "tiny"])  # fmt: skip
+    assert exited.value.code == 2 and "tcp://[::1]:5557" in capsys.readouterr().err
