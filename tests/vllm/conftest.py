@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace as NS
 from typing import Any
@@ -35,9 +35,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
 
 
+@pytest.fixture(autouse=True)
+def _no_engine_outlives_its_test() -> Any:
+    """Whatever engine subprocess a test started and left (one waiting on a gate its failed test never
+    opened, a producer held for a consumer that failed) is killed at the test's end."""
+    yield
+    while Engine.started:
+        eng = Engine.started.pop()
+        if eng.proc.poll() is None:  # still running (one that ended was reaped: its group id may be reused)
+            eng.kill()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+    """The tiny Llama every test of plain prompts shares (a model costs a process of its own to make). It
+    takes 4,096 positions, for the 1,500-token prompts of test_layerwise and test_ttft; the others serve it
+    with ``max_model_len`` 512, and its weights do not depend on its length (:func:`make_tiny_llama`)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama", max_positions=4096)
 
 
 @pytest.fixture(scope="session")
@@ -63,12 +77,35 @@ def engine(tiny_model: Path, tmp_path: Path) -> Callable[..., Engine]:
         eng.kill()
 
 
-@pytest.fixture(scope="session")
-def baseline(tiny_model: Path, prompts: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every prompt through one plain engine (no connector): the reference output."""
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[_WANT_BASELINE] = HAVE_VLLM and any("baseline" in getattr(i, "fixturenames", ()) for i in session.items)
+
+
+_WANT_BASELINE = pytest.StashKey[bool]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _baseline_engine(request: pytest.FixtureRequest, prompts: dict[str, list[int]],
+                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine | None]:
+    """The plain engine of :func:`baseline`, started with the session where a test will need it: it runs beside
+    the tests before that one (an engine's start is mostly importing vLLM, on one core)."""
+    if not request.config.stash.get(_WANT_BASELINE, False):
+        yield None
+        return
+    model: Path = request.getfixturevalue("tiny_model")
     requests = [{"name": n, "prompt": p, "max_tokens": 8} for n, p in prompts.items()]
-    eng = Engine(tmp_path_factory.mktemp("baseline"), "baseline", {"model": str(tiny_model), "kv": None, "requests": requests})
-    return eng.result()["results"]
+    eng = Engine(tmp_path_factory.mktemp("baseline"), "baseline", {"model": str(model), "kv": None, "requests": requests})
+    Engine.started.remove(eng)  # not any one test's: it outlives the test it starts beside
+    yield eng
+    if eng.proc.poll() is None:  # never waited for (the session ended first)
+        eng.kill()
+
+
+@pytest.fixture(scope="session")
+def baseline(_baseline_engine: Engine | None) -> dict[str, Any]:
+    """Every prompt through one plain engine (no connector): the reference output."""
+    assert _baseline_engine is not None, "started for every session with a test that asks for the baseline"
+    return _baseline_engine.result()["results"]
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,11 @@ fast.save_pretrained({str(path)!r})
 
 class Engine:
     """One ``engine_run.py`` subprocess; :meth:`result` waits for it and returns its JSON. ``prefix`` runs it
-    elsewhere (an emulated host's ``Host.prefix()``); ``env`` adds to :func:`engine_env`."""
+    elsewhere (an emulated host's ``Host.prefix()``); ``env`` adds to :func:`engine_env`. Every engine a test
+    started is killed when it ends (``conftest.py``), whatever it left waiting (a gated consumer, a held
+    producer)."""
+
+    started: list[Engine] = []
 
     def __init__(self, workdir: Path, name: str, spec: dict[str, Any], *, prefix: Sequence[str] = (),
                  env: dict[str, str] | None = None):
@@ -71,11 +75,12 @@ class Engine:
             stdout=self._log, stderr=subprocess.STDOUT, env={**engine_env(), **(env or {})}, cwd=workdir,
             start_new_session=True,  # its group: a kill reaches the engine's worker processes too (tensor parallel)
         )  # fmt: skip
-        self.started = time.monotonic()
+        self.started_at = time.monotonic()
+        Engine.started.append(self)
 
     def result(self, timeout: float = ENGINE_TIMEOUT) -> dict[str, Any]:
         try:
-            rc = self.proc.wait(timeout=max(1.0, timeout - (time.monotonic() - self.started)))
+            rc = self.proc.wait(timeout=max(1.0, timeout - (time.monotonic() - self.started_at)))
         except subprocess.TimeoutExpired:
             rc = "timeout"
         finally:
@@ -91,6 +96,21 @@ class Engine:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+def gated(gate: Path) -> dict[str, Any]:
+    """Spec entries for an engine that starts now but sends its requests only once :func:`open_gate` (or a
+    producer's ``publish``) has written ``gate``: a consumer's start (mostly importing vLLM, on one core)
+    overlaps its producer's run instead of following it."""
+    return {"params_from": str(gate), "hold_s": ENGINE_TIMEOUT}
+
+
+def open_gate(gate: Path, params: dict[str, Any] | None = None) -> None:
+    """Let the engine waiting on ``gate`` (:func:`gated`) send its requests, with ``params``' entries as
+    their ``kv_transfer_params`` (none by default: a store's consumer finds the blocks by their keys)."""
+    tmp = gate.with_name(gate.name + ".tmp")
+    tmp.write_text(json.dumps(params or {}))
+    os.replace(tmp, gate)
 
 
 def kv_config(connector: str, role: str, extra: dict[str, Any], **more: Any) -> dict[str, Any]:

@@ -1,30 +1,27 @@
 """kvbridge's store tiers on vLLM's KV-cache event stream (:mod:`kvbridge.vllm.events`), from a real server.
 
-One ``api_server`` with ``kvbridge.CPUConnector`` (a cpu tier of 12 blocks) and ``--kv-events-config``
-(vLLM's ZMQ publisher); a subscriber in the test decodes the stream with vLLM's own ``KVEventBatch``.
-Checked: after prompt A, the stream carries vLLM's own ``BlockStored`` for A's blocks (its GPU cache) and
-kvbridge's ``BlockStored`` with medium ``CPU`` for the same hashes, parent hash and token ids (so an
-indexer matches them); once two more prompts have pushed A out of the cpu tier, a ``BlockRemoved`` with
-medium ``CPU`` for A's hashes.
+An ``api_server`` with ``kvbridge.CPUConnector`` (a cpu tier of 12 blocks) and ``--kv-events-config``
+(vLLM's ZMQ publisher): replica ``a`` of ``test_routing.py``, whose first test runs
+:func:`check_cpu_tier_on_the_stream` here on it before any other request (a server costs a minute to
+start; the two tests would start the same one). A subscriber in the test decodes the stream with vLLM's
+own ``KVEventBatch``. Checked: after prompt A, the stream carries vLLM's own ``BlockStored`` for A's blocks
+(its GPU cache) and kvbridge's ``BlockStored`` with medium ``CPU`` for the same hashes, parent hash and token
+ids (so an indexer matches them); once two more prompts have pushed A out of the cpu tier, a
+``BlockRemoved`` with medium ``CPU`` for A's hashes.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
-from pdkit import BLOCK, PROMPT_LEN, engine_env
-from test_api_server import SERVER_START_S, call, free_port, stop_all, text_of, wait_healthy
+from pdkit import BLOCK, PROMPT_LEN
+from test_api_server import call, text_of
 
 BLOCK_BYTES = BLOCK * 2 * 2 * 64 * 2 * 4  # the tiny model's KV of one block (2 layers, 2 KV heads, fp32)
 FULL = PROMPT_LEN // BLOCK
+TIER_BLOCKS = 12  # the cpu tier's size: two prompts after A (6 full blocks each) push A out of it
 
 
 class Subscriber:
@@ -60,45 +57,26 @@ class Subscriber:
         self._sock.close()
 
 
-@pytest.fixture
-def server(tiny_model: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    env = engine_env()
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    port, events_port = free_port(), free_port()
-    kv = {"kv_connector": "kvbridge.CPUConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"capacity_bytes": 12 * BLOCK_BYTES}}  # fmt: skip
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}", "topic": "kv"}
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model),
-        "--served-model-name", "tiny", "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "512",
-        "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0", "--host", "127.0.0.1",
-        "--port", str(port), "--kv-transfer-config", json.dumps(kv), "--kv-events-config", json.dumps(events),
-    ]  # fmt: skip
-    log = tmp_path / "server.log"
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(env, VLLM_CPU_OMP_THREADS_BIND="0", OMP_NUM_THREADS="1"))
-    sub = None
-    try:
-        wait_healthy(port, proc, log, time.monotonic() + SERVER_START_S)
-        sub = Subscriber(f"tcp://127.0.0.1:{events_port}")
-        time.sleep(1.0)  # the subscription reaches the publisher (ZMQ drops what is sent before)
-        yield {"port": port, "sub": sub, "log": log}
-    finally:
-        if sub is not None:
-            sub.close()
-        stop_all([proc])
-
-
 def _complete(port: int, prompt: list[int]) -> None:
     body = {"model": "tiny", "prompt": text_of(prompt), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     status, data = call(port, "POST", "/v1/completions", body)
     assert status == 200, data[:1000]
 
 
-def test_a_cpu_tier_is_on_vllms_event_stream(server: dict[str, Any], prompts: dict) -> None:
+def check_cpu_tier_on_the_stream(port: int, events_port: int, prompts: dict[str, list[int]]) -> None:
+    """The module's checks, on the server at ``port`` (cpu tier of :data:`TIER_BLOCKS`, vLLM's events on
+    ``events_port``, topic ``kv``), with ``prompts`` A to D that it has never seen."""
+    sub = Subscriber(f"tcp://127.0.0.1:{events_port}")
+    try:
+        time.sleep(1.0)  # the subscription reaches the publisher (ZMQ drops what is sent before)
+        _check(port, sub, prompts)
+    finally:
+        sub.close()
+
+
+def _check(port: int, sub: Subscriber, prompts: dict[str, list[int]]) -> None:
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    sub, port = server["sub"], server["port"]
     _complete(port, prompts["A"])
 
     def stored(medium: str | None) -> list[Any]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdkit import Engine, assert_same_output, engine_env, kv_config
+from pdkit import Engine, assert_same_output, engine_env, gated, kv_config, open_gate
 from test_pd_ucx import ucx_problem
 
 FP8 = {"kv_cache_dtype": "fp8_e4m3"}
@@ -70,6 +70,12 @@ Gemma2ForCausalLM(cfg).save_pretrained({str(path)!r})
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny Gemma-2 for both of its hand-offs (ucx and fs): a model costs a process of its own to make."""
+    return make_tiny_gemma2(tmp_path_factory.mktemp("gemma2") / "tiny-gemma2")
+
+
 def make_tiny_granite_hybrid(path: Path) -> Path:
     """A 4-layer GraniteMoeHybrid (Mamba2, attention, Mamba2, attention; no experts), seeded. Sized so vLLM's
     padded Mamba page equals one 32-token attention block (2 KV heads of 64; state 8 x 8 heads of 32)."""
@@ -103,15 +109,17 @@ def _ucx_pd(tmp_path: Path, model: Path, requests: list[dict[str, Any]], llm_arg
                      requests=[{**r, "max_tokens": 1} for r in requests], batch=True, publish=str(params), hold=str(done))
     consumer = start("consumer", kv=kv_config("kvbridge.UCXConnector", "kv_consumer", {}), params_from=str(params),
                      done=str(done), requests=[{**r, "max_tokens": 8} for r in requests])  # fmt: skip
+    # the plain engine needs nothing of the other two: it runs beside them (each start is mostly an import)
+    plain_engine = start("plain", kv=None, requests=[{**r, "max_tokens": 8} for r in requests])
     report = consumer.result()
     producer.result()
-    plain = start("plain", kv=None, requests=[{**r, "max_tokens": 8} for r in requests]).result()["results"]
+    plain = plain_engine.result()["results"]
     return report["results"], report, plain
 
 
 @pytest.mark.timeout(900)
-def test_sliding_window_and_full_attention_groups_hand_off_over_ucx(tmp_path: Path) -> None:
-    model = make_tiny_gemma2(tmp_path / "tiny-gemma2")
+def test_sliding_window_and_full_attention_groups_hand_off_over_ucx(tiny_gemma2: Path, tmp_path: Path) -> None:
+    model = tiny_gemma2
     requests = _prompts(23)
     got, report, plain = _ucx_pd(tmp_path, model, requests, {})
     assert report["kv_groups"] == [{"num_layers": 1, "sliding_window": 64, "state": False},
@@ -126,20 +134,23 @@ def test_sliding_window_and_full_attention_groups_hand_off_over_ucx(tmp_path: Pa
 
 
 @pytest.mark.timeout(900)
-def test_sliding_window_and_full_attention_groups_through_fs(tmp_path: Path) -> None:
+def test_sliding_window_and_full_attention_groups_through_fs(tiny_gemma2: Path, tmp_path: Path) -> None:
     """The same model through the fs store: each group's blocks saved under their own keys as the
     prefill runs (the sliding group's before vLLM hands them to another request), loaded by another engine."""
-    model = make_tiny_gemma2(tmp_path / "tiny-gemma2")
+    model = tiny_gemma2
     requests = _prompts(24)
     extra = {"path": str(tmp_path / "store")}
 
-    def run(name: str, kv: dict[str, Any] | None, max_tokens: int) -> dict[str, Any]:
-        spec = {"model": str(model), "kv": kv, "requests": [{**r, "max_tokens": max_tokens} for r in requests]}
-        return Engine(tmp_path / "engines", name, spec).result()
+    def start(name: str, kv: dict[str, Any] | None, max_tokens: int, **more: Any) -> Engine:
+        spec = {"model": str(model), "kv": kv, "requests": [{**r, "max_tokens": max_tokens} for r in requests], **more}
+        return Engine(tmp_path / "engines", name, spec)
 
+    gate = tmp_path / "gate.json"  # the consumer starts beside the producer, and sends once the KV is stored
+    consumer = start("consumer", kv_config("kvbridge.FSConnector", "kv_consumer", extra), 8, **gated(gate))
     # the producer decodes too: saving changes none of its tokens, so it is the plain engine to compare with
-    plain = run("producer", kv_config("kvbridge.FSConnector", "kv_producer", extra), 8)["results"]
-    report = run("consumer", kv_config("kvbridge.FSConnector", "kv_consumer", extra), 8)
+    plain = start("producer", kv_config("kvbridge.FSConnector", "kv_producer", extra), 8).result()["results"]
+    open_gate(gate)
+    report = consumer.result()
     assert report["kv_groups"] == [{"num_layers": 1, "sliding_window": 64, "state": False},
                                    {"num_layers": 1, "sliding_window": 0, "state": False}]
     for r in requests:
@@ -158,13 +169,16 @@ def test_mamba_state_and_attention_groups_through_fs(tmp_path: Path) -> None:
     extra = {"path": str(tmp_path / "store")}
     args = {"max_num_batched_tokens": 32, "enable_prefix_caching": True}
 
-    def run(name: str, kv: dict[str, Any] | None, max_tokens: int) -> dict[str, Any]:
+    def start(name: str, kv: dict[str, Any] | None, max_tokens: int, **more: Any) -> Engine:
         spec = {"model": str(model), "kv": kv, "llm_args": args,
-                "requests": [{**r, "max_tokens": max_tokens} for r in requests]}
-        return Engine(tmp_path / "engines", name, spec).result()
+                "requests": [{**r, "max_tokens": max_tokens} for r in requests], **more}
+        return Engine(tmp_path / "engines", name, spec)
 
-    plain = run("producer", kv_config("kvbridge.FSConnector", "kv_producer", extra), 8)["results"]  # its own tokens
-    report = run("consumer", kv_config("kvbridge.FSConnector", "kv_consumer", extra), 8)
+    gate = tmp_path / "gate.json"  # the consumer starts beside the producer, and sends once the KV is stored
+    consumer = start("consumer", kv_config("kvbridge.FSConnector", "kv_consumer", extra), 8, **gated(gate))
+    plain = start("producer", kv_config("kvbridge.FSConnector", "kv_producer", extra), 8).result()["results"]  # its own tokens
+    open_gate(gate)
+    report = consumer.result()
     assert report["kv_groups"] == [{"num_layers": 2, "sliding_window": 0, "state": True},
                                    {"num_layers": 2, "sliding_window": 0, "state": False}], report["kv_groups"]
     for r in requests:
@@ -203,17 +217,23 @@ def test_mla_tp2_producer_writes_one_copy_a_tp1_consumer_loads(tmp_path: Path, m
     store = tmp_path / "store"
     requests = [{**r, "max_tokens": 4} for r in _prompts(22)]
 
-    def run(name: str, role: str, llm_args: dict[str, Any]) -> dict[str, Any]:
+    def start(name: str, role: str, llm_args: dict[str, Any], **more: Any) -> Engine:
         # CPU_MLA named: on a CPU with AMX vLLM would pick AMX_MLA, which refuses the tiny model's float32 weights
         args = {"block_size": MLA_BLOCK, "attention_backend": "CPU_MLA", **llm_args}
+        # the engine core in the test's engine process (tp=2: a process per rank's worker beside it): each
+        # process more would cost a vLLM import, and which rank writes is what is checked here
         spec = {"model": str(model), "kv": kv_config("kvbridge.FSConnector", role, {"path": str(store)}),
-                "requests": requests, "multiprocess": True, "llm_args": args}  # fmt: skip
-        return Engine(tmp_path / "engines", name, spec).result(timeout=600)["results"]
+                "requests": requests, "llm_args": args, **more}  # fmt: skip
+        return Engine(tmp_path / "engines", name, spec)
 
-    made = run("producer-tp2", "kv_producer", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
+    gate = tmp_path / "gate.json"  # the consumer starts beside the producer, and sends once the KV is stored
+    consumer = start("consumer-tp1", "kv_consumer", {}, **gated(gate))
+    producer = start("producer-tp2", "kv_producer", {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
+    made = producer.result(timeout=600)["results"]
     ranks = {p.relative_to(store).parts[1] for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")}
     assert ranks == {"tp1.0"}, "one copy of the latent KV: rank 0's"
-    loaded = run("consumer-tp1", "kv_consumer", {})
+    open_gate(gate)
+    loaded = consumer.result(timeout=600)["results"]
     for r in requests:
         assert loaded[r["name"]]["num_cached_tokens"] == 192, "all 12 full blocks of 16 loaded from the tp=2 copy"
         assert loaded[r["name"]]["tokens"] == made[r["name"]]["tokens"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdkit import BLOCK, PROMPT_LEN, Engine, assert_same_output, kv_config
+from pdkit import BLOCK, PROMPT_LEN, Engine, assert_same_output, gated, kv_config, open_gate
 
 from kvbridge.testing.hosts import Host
 
@@ -82,11 +82,14 @@ def test_store_pd_across_hosts_over_a_shared_directory(hosts: list[Host], on_hos
     else:
         connector, extra = "kvbridge.ChainConnector", {"tiers": [{"backend": "cpu", "capacity_bytes": 16 << 20},
                                                                  {"backend": "fs", "path": store}]}
+    gate = tmp_path / "gate.json"  # the consumer starts beside the producer, and sends once the KV is stored
+    consumer = on_host(b, "consumer", 1, kv=kv_config(connector, "kv_consumer", extra, kv_load_failure_policy="recompute"),
+                       requests=[{"name": n, "prompt": prompts[n], "max_tokens": 8} for n in "AB"], **gated(gate))
     produced = on_host(a, "producer", 0, kv=kv_config(connector, "kv_producer", extra),
                        requests=[{"name": n, "prompt": prompts[n], "max_tokens": 1} for n in "AB"]).result()["results"]
     for n in "AB":
         assert produced[n]["worker"]["save_blocks"] == FULL_BLOCKS, produced[n]["worker"]
-    got = on_host(b, "consumer", 1, kv=kv_config(connector, "kv_consumer", extra, kv_load_failure_policy="recompute"),
-                  requests=[{"name": n, "prompt": prompts[n], "max_tokens": 8} for n in "AB"]).result()["results"]
+    open_gate(gate)
+    got = consumer.result()["results"]
     for n in "AB":
         _check_loaded(got[n], baseline[n])

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.connectors.fs import _FIXED, FORMAT, object_name
-from pdkit import BLOCK, PROMPT_LEN, assert_same_output, kv_config, output_differs
+from pdkit import BLOCK, PROMPT_LEN, assert_same_output, gated, kv_config, open_gate, output_differs
 
 from kvbridge import codec
 from kvbridge.keys import block_keys
@@ -81,8 +81,16 @@ def in_block_order(files: list[str], prompt: list[int], namespace: str) -> list[
     return [(by_name[object_name(k)], k) for k in block_keys(prompt, BLOCK, namespace=namespace)]
 
 
-def run_pd(engine: Any, baseline: dict, prompts: dict, connector: str, extra: dict, consumer_requests: list[dict]) -> tuple[dict, Any]:
-    """Producer prefills A, B and C (saving them); the caller corrupts; returns (producer results, start_consumer)."""
+def run_pd(engine: Any, baseline: dict, prompts: dict, connector: str, extra: dict, consumer_requests: list[dict],
+           gate: Path) -> tuple[dict, Any]:
+    """Producer prefills A, B and C (saving them); the caller corrupts; returns (producer results, consumer_results).
+    The consumer starts beside the producer and sends its requests once ``consumer_results`` is called."""
+    consumer = engine(
+        "consumer",
+        kv=kv_config(connector, "kv_consumer", extra, kv_load_failure_policy="recompute"),
+        requests=consumer_requests,
+        **gated(gate),
+    )
     out = engine(
         "producer",
         kv=kv_config(connector, "kv_producer", extra),
@@ -96,15 +104,11 @@ def run_pd(engine: Any, baseline: dict, prompts: dict, connector: str, extra: di
         assert len(producer[n]["files"]) == FULL_BLOCKS, "a locator per full prompt block (the chunk's object or a link)"
         producer[n]["files"] = in_block_order(producer[n]["files"], prompts[n], out["namespace"])
 
-    def start_consumer() -> dict:
-        eng = engine(
-            "consumer",
-            kv=kv_config(connector, "kv_consumer", extra, kv_load_failure_policy="recompute"),
-            requests=consumer_requests,
-        )
-        return eng.result()["results"]
+    def consumer_results() -> dict:
+        open_gate(gate)
+        return consumer.result()["results"]
 
-    return producer, start_consumer
+    return producer, consumer_results
 
 
 def check_loaded(result: dict, blocks: int = FULL_BLOCKS) -> None:
@@ -126,11 +130,11 @@ def test_fs_pd_hand_off(engine: Any, baseline: dict, prompts: dict, tmp_path: Pa
     """FSConnector named by class + kv_connector_module_path="kvbridge" (no plugin needed)."""
     extra = {"path": str(tmp_path / "store")}
     requests = [{"name": n, "prompt": prompts[n], "max_tokens": 8} for n in "ABC"]
-    producer, start_consumer = run_pd(engine, baseline, prompts, "FSConnector", extra, requests)
+    producer, consumer_results = run_pd(engine, baseline, prompts, "FSConnector", extra, requests, tmp_path / "gate.json")
     flip_payload(*producer["B"]["files"][2])  # B: block 2 damaged -> 2 blocks load, 4 are recomputed
     files_b = [f for f, _ in producer["B"]["files"]]
     forge(producer["C"]["files"], producer["A"]["files"])  # C: A's KV, valid checksums
-    consumer = start_consumer()
+    consumer = consumer_results()
 
     assert_same_output(consumer["A"], baseline["A"])
     check_loaded(consumer["A"])
@@ -153,10 +157,11 @@ def test_chain_pd_hand_off(engine: Any, baseline: dict, prompts: dict, tmp_path:
         {"name": "B", "prompt": prompts["B"], "max_tokens": 8},
         {"name": "C", "prompt": prompts["C"], "max_tokens": 8},
     ]
-    producer, start_consumer = run_pd(engine, baseline, prompts, "kvbridge.ChainConnector", extra, requests)
+    producer, consumer_results = run_pd(engine, baseline, prompts, "kvbridge.ChainConnector", extra, requests,
+                                      tmp_path / "gate.json")
     flip_payload(*producer["B"]["files"][0])  # B: its first block damaged -> nothing loads, all recomputed
     forge(producer["C"]["files"], producer["A"]["files"])
-    consumer = start_consumer()
+    consumer = consumer_results()
 
     assert_same_output(consumer["A"], baseline["A"])
     check_loaded(consumer["A"])

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdkit import BLOCK, PROMPT_LEN, assert_same_output, kv_config, output_differs
+from pdkit import BLOCK, PROMPT_LEN, assert_same_output, gated, kv_config, open_gate, output_differs
 
 FULL_BLOCKS = PROMPT_LEN // BLOCK
 
@@ -93,17 +93,22 @@ def test_producer_killed_before_the_reads(engine: Any, baseline: dict, prompts: 
     import json
     import time
 
+    # the consumer starts beside the producer; it gets the producer's params (and sends) only once that is dead
+    gate = tmp_path / "gate.json"
+    consumer = engine(
+        "consumer",
+        kv=kv_config("UCXConnector", "kv_consumer", {"timeout_s": 3}, kv_load_failure_policy="recompute"),
+        requests=[{"name": n, "prompt": prompts[n], "max_tokens": 8} for n in "AB"],
+        **gated(gate),
+    )
     deadline = time.monotonic() + 300
     while not params.exists():
         assert time.monotonic() < deadline and producer.proc.poll() is None, "the producer never published"
         time.sleep(0.1)
     published = json.loads(params.read_text())
     producer.kill()  # SIGKILL: its KV cache, metadata server and UCX worker are gone
-    consumer = engine(
-        "consumer",
-        kv=kv_config("UCXConnector", "kv_consumer", {"timeout_s": 3}, kv_load_failure_policy="recompute"),
-        requests=[{"name": n, "prompt": prompts[n], "max_tokens": 8, "kv_transfer_params": published[n]} for n in "AB"],
-    )
+    assert all(published[n] for n in "AB"), published
+    open_gate(gate, published)
     got = consumer.result()["results"]
     for n in "AB":
         assert_same_output(got[n], baseline[n])

@@ -11,7 +11,11 @@ With a directory (``--directory redis://...``): each replica's kvbridge connecto
 prefix cache to a real Redis — one from vLLM's KV-cache events, one at each request's end — and proxies
 that never saw a prompt route it to the replica holding it; a Redis killed mid-run makes them
 least-loaded (no request fails) until it is back and the engines have published again. One set of
-replicas serves both tests (each replica costs a minute to start), the second test after the first.
+replicas serves every test here (each replica costs a minute to start), in the order they are written.
+
+Replica ``a`` (a cpu tier of 12 blocks, vLLM's KV-cache events on) is also the server of
+``test_kv_events.py``'s checks of kvbridge's tier on vLLM's event stream: the first test here runs them, on
+prompts of its own, before any other request reaches it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -31,6 +36,7 @@ from typing import Any
 import pytest
 from pdkit import BLOCK, PROMPT_LEN, engine_env
 from test_api_server import SERVER_START_S, completion, free_port, stop_all, text_of, wait_healthy
+from test_kv_events import BLOCK_BYTES, TIER_BLOCKS, check_cpu_tier_on_the_stream
 
 from kvbridge.keys import route_keys
 from kvbridge.metadata.holdings import open_directory
@@ -66,8 +72,10 @@ def kill_replica(proc: subprocess.Popen) -> None:
 
 def _publishing(port: int, directory: str, events_port: int | None) -> tuple[str, ...]:
     """A replica whose kvbridge connector (a small CPU tier) publishes its prefix cache to ``directory``:
-    from vLLM's KV-cache events when ``events_port`` is given, else at each request's end."""
-    extra = {"capacity_bytes": 32 << 20, "directory": directory, "advertise_url": f"http://127.0.0.1:{port}", "directory_ttl_s": 3}
+    from vLLM's KV-cache events when ``events_port`` is given (and then a tier of TIER_BLOCKS, which
+    test_kv_events' checks fill), else at each request's end."""
+    capacity = TIER_BLOCKS * BLOCK_BYTES if events_port is not None else 32 << 20
+    extra = {"capacity_bytes": capacity, "directory": directory, "advertise_url": f"http://127.0.0.1:{port}", "directory_ttl_s": 3}
     more = ["--kv-transfer-config", json.dumps({"kv_connector": "kvbridge.CPUConnector", "kv_role": "kv_both",
                                                 "kv_connector_extra_config": extra})]  # fmt: skip
     if events_port is not None:
@@ -91,7 +99,8 @@ def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # real servers: engine core and worker in their own processes
     ports = {name: free_port() for name in ("a", "b", "cache-aware", "round-robin", "p1", "p2")}
     procs: list[tuple[subprocess.Popen, Path, int]] = []
-    for name, events in (("a", free_port()), ("b", None)):
+    events_port = free_port()
+    for name, events in (("a", events_port), ("b", None)):
         log = tmp / f"replica-{name}.log"
         cmd = _server_cmd(tiny_model, ports[name], _publishing(ports[name], redis.url, events))
         procs.append((_replica(cmd, log, env), log, ports[name]))
@@ -108,7 +117,7 @@ def replicas(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         deadline = time.monotonic() + SERVER_START_S
         for proc, log, port in procs:
             wait_healthy(port, proc, log, deadline)
-        yield {**ports, "redis": redis, "procs": {"a": procs[0][0], "b": procs[1][0]}}
+        yield {**ports, "redis": redis, "procs": {"a": procs[0][0], "b": procs[1][0]}, "events": events_port}
     finally:
         stop_all(p for p, _, _ in procs)
         for proc, _, _ in procs[:2]:
@@ -133,6 +142,14 @@ def _routed(port: int, prompt: str) -> tuple[dict, str]:
 
 def _cached(answer: dict) -> int:
     return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_a_cpu_tier_is_on_vllms_event_stream(replicas: dict[str, Any]) -> None:
+    """test_kv_events.py's checks on replica ``a``, first (they need its tier untouched), with prompts that
+    no other test sends (the routing tests below need their prompts unseen by either replica)."""
+    rng = random.Random(4321)
+    own = {name: [rng.randrange(4, 2048) for _ in range(PROMPT_LEN)] for name in "ABCD"}
+    check_cpu_tier_on_the_stream(replicas["a"], replicas["events"], own)
 
 
 def test_cache_aware_sends_a_prompt_back_to_the_replica_that_holds_it(replicas: dict[str, Any], prompts: dict) -> None:

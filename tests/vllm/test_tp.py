@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pdkit import Engine, kv_config
+from pdkit import Engine, gated, kv_config, open_gate
 from test_pd_ucx import ucx_problem
 
 TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
@@ -33,18 +33,25 @@ def test_tp2_engines_move_every_ranks_shard(tiny_model: Path, tmp_path: Path, mo
     requests = [{"name": f"p{i}", "prompt": [rng.randrange(4, 2048) for _ in range(200)], "max_tokens": 4} for i in range(2)]
     extra = {"path": str(store)}
 
-    def run(name: str, role: str, llm_args: dict[str, Any]) -> dict[str, Any]:
+    def start(name: str, role: str, llm_args: dict[str, Any], **more: Any) -> Engine:
+        # the engine core in the test's engine process (tp=2: a process per rank's worker beside it): each
+        # process more would cost a vLLM import, and the ranks' shards are what is checked here
         spec = {"model": str(tiny_model), "kv": kv_config("kvbridge.FSConnector", role, extra), "requests": requests,
-                "multiprocess": True, "llm_args": llm_args}  # fmt: skip
-        return Engine(tmp_path / "engines", name, spec).result(timeout=600)["results"]
+                "llm_args": llm_args, **more}  # fmt: skip
+        return Engine(tmp_path / "engines", name, spec)
 
-    made = run("producer-tp2", "kv_producer", TP2)
+    # both consumers start beside the producer, and send once its shards are stored (a start is mostly imports)
+    gate = tmp_path / "gate.json"
+    consumers = {"tp2": start("consumer-tp2", "kv_consumer", TP2, **gated(gate)),
+                 "tp1": start("consumer-tp1", "kv_consumer", {}, **gated(gate))}  # fmt: skip
+    made = start("producer-tp2", "kv_producer", TP2).result(timeout=600)["results"]
     assert _ranks(store) == {"tp2.0", "tp2.1"}, "each rank saved its own shard"
-    loaded = run("consumer-tp2", "kv_consumer", TP2)
+    open_gate(gate)
+    loaded = consumers["tp2"].result(timeout=600)["results"]
     for r in requests:
         assert loaded[r["name"]]["num_cached_tokens"] == 192, "both ranks loaded all 6 full blocks"
         assert loaded[r["name"]]["tokens"] == made[r["name"]]["tokens"]
-    other_split = run("consumer-tp1", "kv_consumer", {})
+    other_split = consumers["tp1"].result(timeout=600)["results"]
     for r in requests:
         assert other_split[r["name"]]["num_cached_tokens"] == 192, "a tp=1 rank takes both heads from the tp=2 shards"
         assert other_split[r["name"]]["tokens"] == made[r["name"]]["tokens"]
@@ -65,7 +72,7 @@ def test_tp1_producer_hands_off_to_a_tp2_consumer_over_ucx(tiny_model: Path, bas
         "requests": [{"name": n, "prompt": prompts[n], "max_tokens": 1} for n in names],
         "publish": str(params), "hold": str(done)})  # fmt: skip
     consumer = Engine(tmp_path / "engines", "consumer-tp2", {
-        "model": str(tiny_model), "kv": kv_config("kvbridge.UCXConnector", "kv_consumer", {}), "multiprocess": True,
+        "model": str(tiny_model), "kv": kv_config("kvbridge.UCXConnector", "kv_consumer", {}),
         "llm_args": TP2, "params_from": str(params), "done": str(done),
         "requests": [{"name": n, "prompt": prompts[n], "max_tokens": 8} for n in names]})  # fmt: skip
     got = consumer.result(timeout=600)["results"]

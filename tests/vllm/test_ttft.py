@@ -18,7 +18,8 @@ TOKENS = 1500
 LAYOUTS = ("single", "multi")
 
 
-def test_a_prompt_is_loaded_whole_in_every_layout(tmp_path: Path) -> None:
+def test_a_prompt_is_loaded_whole_in_every_layout(tiny_model: Path, tmp_path: Path) -> None:
+    (tmp_path / "tiny-llama").symlink_to(tiny_model)  # measure() makes the model only where none is
     out = measure(tmp_path, tokens=TOKENS, prompts=3, layouts=LAYOUTS)
     figures = out["figures"]
     for layout in LAYOUTS:

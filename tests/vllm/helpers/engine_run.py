@@ -20,7 +20,9 @@ for these requests, before anyone pulls them: a transfer that no check can catch
 OUT: per request its tokens, the logprob of each, ``num_cached_tokens``, ``kv_transfer_params``,
 wall time, files added, and the connector counters it moved (worker and scheduler side).
 Runs vLLM in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the test can read the counters,
-unless ``multiprocess`` (engine core and worker in their own processes, as in a server).
+unless ``multiprocess`` (engine core and worker in their own processes, as in a server). Tensor parallel
+without ``multiprocess`` (``distributed_executor_backend="mp"`` in ``llm_args``) keeps the engine core here
+and puts each rank's worker in a process of its own: the scheduler side's counters only, then.
 """
 
 from __future__ import annotations
@@ -70,12 +72,13 @@ def main() -> None:
     def connectors() -> tuple:
         if not spec.get("kv") or multiprocess:
             return None, None
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
         if not hasattr(scheduler, "totals"):  # another project's connector (vLLM's own): no kvbridge counters
             return None, None
-        return get_kv_transfer_group(), scheduler
+        # the workers run elsewhere (tensor parallel ranks, each in its own process): the scheduler side only
+        return (get_kv_transfer_group() if has_kv_transfer_group() else None), scheduler
 
     worker_conn, sched_conn = connectors()
 
