@@ -372,7 +372,9 @@ def test_oversized_control_message_does_not_stop_the_producer(tmp_path: Path, li
 # ---- 6. bounded soak ------------------------------------------------------------------------------------------
 SOAK_SECONDS = float(os.environ.get("KVBRIDGE_SOAK_SECONDS", "20"))
 RSS_BOUND_MIB = 48  # growth allowed after warm-up (3 rounds), this process and the producer's
-PERSISTENT_THREADS = {"kvbridge-ucx-loop"}  # the process-wide UCX runtime's loop thread outlives every engine
+# the process-wide UCX runtime's threads outlive every engine: its loop, and ucxx's notifier (made with the
+# runtime, so new here only when this test is the first of the process to start one)
+PERSISTENT_THREADS = {"kvbridge-ucx-loop", "UCX-Py Async Notifier Thread"}
 
 
 def _fds() -> int:
