@@ -19,10 +19,15 @@
  * older than the data; MSG_ZEROCOPY would break that: the NIC would read the pages later), or 0 when the
  * address is not a word of the seal table.
  *
- * Every socket operation waits with poll() until an absolute deadline (tcp_wait); sockets are non-blocking,
- * so no call blocks without one.  The deadline bounds a whole exchange, not each wait: a consumer's read
- * ends by its start + timeout_s, a producer's answer to one request by its arrival + timeout_s, so a dead
- * peer, a cut link or a link that keeps trickling bytes ends in ETIMEDOUT or a reset, never a hang.
+ * Every socket operation waits until an absolute deadline, never longer.  The producer's sockets are
+ * non-blocking and wait in poll() (tcp_wait): a sender refills its capped send buffer as soon as it drains
+ * (tcp_serve.c).  A consumer's socket blocks once connected, each call bounded by SO_RCVTIMEO / SO_SNDTIMEO
+ * set to what is left of the deadline: the kernel then copies arriving bytes while the thread is inside
+ * recvmsg, one wake-up per batch instead of a poll() and a recvmsg, which costs the consumer and the
+ * producer less CPU a load and holds up better on busy cores (benches/tcp_lane_probe.py, reader and
+ * server CPU per load).  The deadline bounds a whole exchange, not each wait: a consumer's read ends by its
+ * start + timeout_s, a producer's answer to one request by its arrival + timeout_s, so a dead peer, a cut
+ * link or a link that keeps trickling bytes ends in ETIMEDOUT or a reset, never a hang.
  */
 #ifndef KVB_TCP_H
 #define KVB_TCP_H
@@ -81,8 +86,8 @@ KVB_INTERNAL int tcp_sendv(int fd, struct iovec *iov, int n, double until);
 KVB_INTERNAL int tcp_recvv(int fd, struct iovec *iov, int n, double until);
 KVB_INTERNAL int tcp_send_all(int fd, const void *buf, size_t len, double until);
 KVB_INTERNAL int tcp_recv_all(int fd, void *buf, size_t len, double until);
-/* A connected, non-blocking TCP socket to a numeric address (no name lookup: it could block without a
- * deadline) by the deadline `until`, TCP_NODELAY set; or -1 with *err set. */
+/* A connected TCP socket to a numeric address (no name lookup: it could block without a deadline) by the
+ * deadline `until`, TCP_NODELAY set, blocking (its calls bounded as above); or -1 with *err set. */
 KVB_INTERNAL int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double until, int *err);
 /* A numeric host and port as a socket address: 0, or EINVAL. */
 KVB_INTERNAL int tcp_address(const char *host, int port, struct sockaddr_storage *out, socklen_t *len);
