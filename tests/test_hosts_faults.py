@@ -101,9 +101,10 @@ def test_producer_host_crash_mid_load_then_restarted(hosts: list[Host], tmp_path
 
 TRICKLE_RATE = "2mbit"
 TRICKLE_TOKENS = 16 * 512 + 3  # 32 MiB: over two minutes at TRICKLE_RATE
-# the load's deadline, then the aborted release, whose answer may queue behind what the capped link still
-# holds (the metadata client's deadline: timeout_s / 2 a try, one retry), and a loaded machine's slack
-TRICKLE_WITHIN_S = 2 * TIMEOUT_S + 2.0
+# the load's deadline and a scheduling slack: the report after it (the failed read's clean-up, the IO
+# thread's hand-off, the peer's pump) on a loaded machine. The aborted release is not in it: it goes to its
+# producer's own lane of the releaser, off the load's path.
+TRICKLE_WITHIN_S = TIMEOUT_S + 1.0
 
 
 @pytest.mark.parametrize("lane", ["auto", "ucp", "two-sided"])

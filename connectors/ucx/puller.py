@@ -8,7 +8,7 @@ Per producer address it handshakes once (cached with the endpoint or the one-sid
   (all or nothing);
 - *two-sided*: post the receives, send the :class:`~.wire.Pull`, receive each chunk into a staging
   buffer — never into the KV, so a late, partial or timed-out chunk never touches a block — scatter it
-  (one op per layer), and finally release the producer's request.
+  (one op per layer); the release follows the load's report.
 
 **Where it runs.** A load from a producer already handshaken on the ``cma`` or ``tcp`` lane starts from the engine's
 step itself (:meth:`Puller.start`): a native thread reads the blocks and then the seal word, and the poll
@@ -20,8 +20,11 @@ confirming release when no seal is in place, a failure's clean-up) runs on the w
 Every wait has a deadline. A load's data — a one-sided read with its seal word, a re-sliced load's reads
 from every producer rank, a two-sided pull's status and chunks — must be in by ``timeout_s`` after it
 began, however many bytes keep arriving meanwhile (a link that trickles fails the load as a dead one
-does); the handshake before it and the release after it have deadlines of their own (the metadata
-client's). A dead, unreachable, refusing or too slow producer ends the load with its missing blocks
+does); the handshake before it has a deadline of its own (the metadata client's). Releases never sit on
+a load's path: they go to the producer's own lane of the :class:`~.releaser.Releaser` (an aborted one at
+once, a finished load's after its report), so a failed load is reported by its deadline however slow the
+link that cut it, and a dead producer's releases (retried until the lease ends) never wait in front of
+a healthy one's. A dead, unreachable, refusing or too slow producer ends the load with its missing blocks
 failed (the engine recomputes them), never a hang. After a failure that may leave stale state, the peer
 is dropped and handshaken anew next time.
 """
@@ -98,8 +101,8 @@ class Puller:
         self._staging = StagingPool(layout, LOAD_THREADS * options.max_inflight)
         self._peer_locks: collections.defaultdict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
-        self._releaser = Releaser(options, engine.engine_id)  # releases after a sealed read
-        self._sealed: list[tuple[str, UcxSource]] = []  # sealed reads whose release waits for their report
+        self._releaser = Releaser(options, engine.engine_id)  # every release: one lane per producer
+        self._reported: list[tuple[str, UcxSource]] = []  # loads whose release waits for their report
 
     # ---- peers ----
     def _address(self, src: UcxSource) -> str:
@@ -188,21 +191,18 @@ class Puller:
                 exc_info=not isinstance(exc, KVBridgeError))
 
     def _release(self, address: str, src: UcxSource, *, ok: bool) -> None:
-        """Tell the producer we are done (``aborted`` unless ``ok``); a failure leaves it to the lease."""
-        rid = src.remote_request_id
-        if not address or not rid:
+        """Tell the producer we are done (``aborted`` unless ``ok``), off the load's path: an aborted release
+        goes to the producer's own lane of the releaser now (the load that failed is reported meanwhile, by
+        its deadline, however slow the link that cut it), a finished pull's once the engine has taken its
+        report (:meth:`release_reported`). A release that cannot get through is retried there until the
+        hand-off's lease ends, which frees the blocks anyway."""
+        if not address or not src.remote_request_id:  # no address: nobody to release to
             return
-        with self._lock:
-            peer = self._peers.get(address)
-        client = peer.client if peer is not None else MetadataClient(address, token=self.options.token,
-                                                                     timeout=self.options.timeout_s / 2, retries=1)
-        try:
-            client.release(self.engine.engine_id, rid, aborted=not ok, grant=src.grant)
-        except KVBridgeError as exc:  # the producer's lease frees the blocks instead
-            log.info("%s: release of %s at %s failed: %s", self.engine.engine_id, rid, address, exc)
-        finally:
-            if peer is None:
-                client.close()
+        if ok:
+            with self._lock:
+                self._reported.append((address, src))
+        else:
+            self._releaser.release((address,), src, aborted=True)
 
     # ---- one-sided ----
     def start(self, op: BlockLoad) -> Transfer | None:
@@ -267,8 +267,7 @@ class Puller:
         """The seal says the producer held the blocks throughout (read over ``lane``): they count now, and
         the release goes out once the engine has taken the report (:meth:`release_reported`)."""
         self._count(op, t0, sealed=True, lane=lane)
-        with self._lock:
-            self._sealed.append((address, src))
+        self._release(address, src, ok=True)
         return set()
 
     def _read_failed(self, address: str, op: BlockLoad, src: UcxSource, peer: _Peer, exc: Exception) -> set[int]:
@@ -458,18 +457,18 @@ class Puller:
                            lane_two_sided_loads=int(arrived[0] > 0))
 
     def release_reported(self) -> None:
-        """Queue the releases of sealed reads, once the engine has taken their loads' report (the worker
+        """Queue the releases of sealed reads and finished two-sided pulls, once the engine has taken their loads' report (the worker
         calls this after its poll). Queued from the read itself, the releaser's thread woke and took the GIL
         just as the engine thread needed it to see the load done (bench case ucx `transfer`, 8 MiB); the engine polls
         after every load it waits for, so nothing waits longer than its next step."""
         with self._lock:
-            sealed, self._sealed = self._sealed, []
-        for address, src in sealed:
+            done, self._reported = self._reported, []
+        for address, src in done:
             self._releaser.release((address,), src, aborted=False)
 
     def close(self) -> None:
-        self.release_reported()  # a sealed read never reported still frees its producer's blocks
-        self._releaser.close()  # the releases of sealed reads still queued
+        self.release_reported()  # a load never reported still frees its producer's blocks
+        self._releaser.close()  # the releases still queued
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
