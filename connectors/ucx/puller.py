@@ -220,13 +220,13 @@ class Puller:
                 peer = self._peers.get(address)
             if peer is None or peer.source is None or peer.source.lane not in onesided.STARTED:
                 return None
-            t0 = time.perf_counter()
+            t0, until = time.perf_counter(), time.monotonic() + self.options.timeout_s
             running = onesided.start(peer.source, self._batch(peer.source, op, src), src.seal)
         except Exception:  # noqa: BLE001 - the usual path meets the same failure and reports it
             return None
         self.stats.add(started_loads=1)
         read = Started(op, running, functools.partial(self._started_sealed, address, peer.source.lane, op, src, running, t0))
-        return Fallback(read, functools.partial(self._started_rest, address, peer, op, src, t0))
+        return Fallback(read, functools.partial(self._started_rest, address, peer, op, src, t0, until))
 
     def _started_sealed(self, address: str, lane: str, op: BlockLoad, src: UcxSource, running: Any, t0: float) -> set[int]:
         """A started read is over (on the thread that polls): its blocks count if the seal word read after it
@@ -236,13 +236,14 @@ class Puller:
             return self._sealed_read(address, lane, op, src, t0)
         return set(op.block_ids)
 
-    def _started_rest(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, t0: float, read: Transfer) -> set[int]:
+    def _started_rest(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, t0: float, until: float,
+                      read: Transfer) -> set[int]:
         """On an IO thread, for a started read the seal did not prove: a failed read's clean-up, or the producer's
         confirmation that it held the blocks throughout."""
         if read.error is not None:
             lane = peer.source.lane if peer.source is not None else "one-sided"
             return self._read_failed(address, op, src, peer, PeerUnreachable(f"{lane} read: {read.error}"))
-        return self._confirm(address, peer, op, src, t0)
+        return self._confirm(address, peer, op, src, t0, until)
 
     def _read(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource) -> set[int]:
         """One-sided: read every block straight into the KV, then count them only if the producer confirms
@@ -261,7 +262,7 @@ class Puller:
             return self._read_failed(address, op, src, peer, exc)
         if (word == src.seal[1] != 0) or (word < 0 and onesided.sealed(peer.source, src.seal, until - time.monotonic())):
             return self._sealed_read(address, peer.source.lane, op, src, t0)
-        return self._confirm(address, peer, op, src, t0)
+        return self._confirm(address, peer, op, src, t0, until)
 
     def _sealed_read(self, address: str, lane: str, op: BlockLoad, src: UcxSource, t0: float) -> set[int]:
         """The seal says the producer held the blocks throughout (read over ``lane``): they count now, and
@@ -278,15 +279,18 @@ class Puller:
         self._release(address, src, ok=False)
         return set(op.block_ids)
 
-    def _confirm(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, t0: float) -> set[int]:
-        """No seal to count on: the release, answered, says whether the producer held the blocks throughout."""
+    def _confirm(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, t0: float, until: float) -> set[int]:
+        """No seal to count on: the release, answered by the load's deadline ``until``, says whether the
+        producer held the blocks throughout. Unanswered, nothing counts and an aborted release follows on
+        the releaser (the producer may never have seen this one)."""
         rid, held = src.remote_request_id, False
         try:
-            held = peer.client.release(self.engine.engine_id, rid, aborted=False, grant=src.grant)
+            held = peer.client.release(self.engine.engine_id, rid, aborted=False, grant=src.grant, until=until)
         except KVBridgeError as exc:
             log.warning("%s: producer %s did not confirm %s after the read: %s", self.engine.engine_id,
                         src.engine_id, rid, exc)
             self._drop(address)
+            self._release(address, src, ok=False)
         if not held:
             log.warning("%s: producer %s no longer held %s when the read ended: %d blocks not counted",
                         self.engine.engine_id, src.engine_id, rid, len(op.block_ids))
@@ -318,7 +322,7 @@ class Puller:
                 if onesided.sealed(peer.source, src.seal, until - time.monotonic()):
                     continue
                 sealed = False
-                if not peer.client.confirm(self.engine.engine_id, src.remote_request_id, grant=src.grant):
+                if not peer.client.confirm(self.engine.engine_id, src.remote_request_id, grant=src.grant, until=until):
                     raise ProtocolError(f"producer rank {q} no longer held the hand-off when the read ended")
         except Exception as exc:  # noqa: BLE001 - nothing counts; the engine recomputes every block
             log.warning("%s: re-sliced read of %s from %s (tp=%d to tp=%d) failed: %s: %s", self.engine.engine_id,
