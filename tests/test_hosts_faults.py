@@ -1,7 +1,8 @@
 """The link's faults across emulated hosts, real (short versions for CI): the link cut mid-load (interface
 down, or every packet dropped by nftables), the producer's host crashed mid-load (every process of it
 killed) and the producer restarted there. Each time the in-flight load fails its blocks within the
-consumer's ``timeout_s`` (plus what dialling and the aborted release take), nothing arrives half-loaded
+consumer's ``timeout_s`` (plus what dialling takes; the aborted release runs off the load's path, on
+the consumer's releaser), nothing arrives half-loaded
 as loaded, the producer's hold ends (release or lease), and once the link is back the same consumer
 process loads again, bit-exact. Needs root (skips, saying why, without).
 
@@ -31,7 +32,7 @@ TOKENS = 16 * 160 + 3
 TIMEOUT_S = 2.0  # the consumer's timeout_s
 LEASE_S = 4.0  # the producer's lease: a hold whose release cannot arrive ends by then
 CUT_AFTER_S = 0.4
-FAIL_WITHIN_S = CUT_AFTER_S + TIMEOUT_S + 3.0  # the stalled step's deadline, plus dialling and the aborted release
+FAIL_WITHIN_S = CUT_AFTER_S + TIMEOUT_S + 3.0  # the stalled step's deadline, plus dialling and a loaded machine
 
 
 def _producer(host: Host, out: Path) -> Any:
@@ -101,9 +102,10 @@ def test_producer_host_crash_mid_load_then_restarted(hosts: list[Host], tmp_path
 
 TRICKLE_RATE = "2mbit"
 TRICKLE_TOKENS = 16 * 512 + 3  # 32 MiB: over two minutes at TRICKLE_RATE
-# the load's deadline, then the aborted release, whose answer may queue behind what the capped link still
-# holds (the metadata client's deadline: timeout_s / 2 a try, one retry), and a loaded machine's slack
-TRICKLE_WITHIN_S = 2 * TIMEOUT_S + 2.0
+# the load's deadline and a scheduling slack: the report after it (the failed read's clean-up, the IO
+# thread's hand-off, the peer's pump) on a loaded machine. The aborted release is not in it: it goes to its
+# producer's own lane of the releaser, off the load's path.
+TRICKLE_WITHIN_S = TIMEOUT_S + 1.0
 
 
 @pytest.mark.parametrize("lane", ["auto", "ucp", "two-sided"])

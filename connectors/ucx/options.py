@@ -31,8 +31,9 @@ class UcxOptions:
       (default: ``$TMPDIR/kvbridge-ucx-<uid>``).
     - ``timeout_s``: each step of a load must be over this long after it began: the handshake, the load's
       data (a one-sided read with its seal word, a two-sided pull's status and chunks: whole, however many
-      bytes keep arriving), the release; else the load's blocks fail. The ``tcp`` lane's producer answers
-      each request within it. See :mod:`kvbridge.connectors.ucx.puller`.
+      bytes keep arriving) with a confirming release; else the load's blocks fail. Other releases never
+      wait on a load (:mod:`.releaser`). The ``tcp`` lane's producer answers each request within it, a
+      two-sided producer serves each pull within it. See :mod:`kvbridge.connectors.ucx.puller`.
     - ``lease_s``: a producer frees a request's blocks this long after it finished if no release came
       (default 480 s, what vLLM's NIXL connector gives a consumer before it aborts; a consumer that comes
       later recomputes, and says so once at warning level, counted in ``refused_handoffs``).

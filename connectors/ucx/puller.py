@@ -8,7 +8,7 @@ Per producer address it handshakes once (cached with the endpoint or the one-sid
   (all or nothing);
 - *two-sided*: post the receives, send the :class:`~.wire.Pull`, receive each chunk into a staging
   buffer — never into the KV, so a late, partial or timed-out chunk never touches a block — scatter it
-  (one op per layer), and finally release the producer's request.
+  (one op per layer); the release follows the load's report.
 
 **Where it runs.** A load from a producer already handshaken on the ``cma`` or ``tcp`` lane starts from the engine's
 step itself (:meth:`Puller.start`): a native thread reads the blocks and then the seal word, and the poll
@@ -20,8 +20,11 @@ confirming release when no seal is in place, a failure's clean-up) runs on the w
 Every wait has a deadline. A load's data — a one-sided read with its seal word, a re-sliced load's reads
 from every producer rank, a two-sided pull's status and chunks — must be in by ``timeout_s`` after it
 began, however many bytes keep arriving meanwhile (a link that trickles fails the load as a dead one
-does); the handshake before it and the release after it have deadlines of their own (the metadata
-client's). A dead, unreachable, refusing or too slow producer ends the load with its missing blocks
+does); the handshake before it has a deadline of its own (the metadata client's). Releases never sit on
+a load's path: they go to the producer's own lane of the :class:`~.releaser.Releaser` (an aborted one at
+once, a finished load's after its report), so a failed load is reported by its deadline however slow the
+link that cut it, and a dead producer's releases (retried until the lease ends) never wait in front of
+a healthy one's. A dead, unreachable, refusing or too slow producer ends the load with its missing blocks
 failed (the engine recomputes them), never a hang. After a failure that may leave stale state, the peer
 is dropped and handshaken anew next time.
 """
@@ -98,8 +101,8 @@ class Puller:
         self._staging = StagingPool(layout, LOAD_THREADS * options.max_inflight)
         self._peer_locks: collections.defaultdict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
-        self._releaser = Releaser(options, engine.engine_id)  # releases after a sealed read
-        self._sealed: list[tuple[str, UcxSource]] = []  # sealed reads whose release waits for their report
+        self._releaser = Releaser(options, engine.engine_id)  # every release: one lane per producer
+        self._reported: list[tuple[str, UcxSource]] = []  # loads whose release waits for their report
 
     # ---- peers ----
     def _address(self, src: UcxSource) -> str:
@@ -188,21 +191,18 @@ class Puller:
                 exc_info=not isinstance(exc, KVBridgeError))
 
     def _release(self, address: str, src: UcxSource, *, ok: bool) -> None:
-        """Tell the producer we are done (``aborted`` unless ``ok``); a failure leaves it to the lease."""
-        rid = src.remote_request_id
-        if not address or not rid:
+        """Tell the producer we are done (``aborted`` unless ``ok``), off the load's path: an aborted release
+        goes to the producer's own lane of the releaser now (the load that failed is reported meanwhile, by
+        its deadline, however slow the link that cut it), a finished pull's once the engine has taken its
+        report (:meth:`release_reported`). A release that cannot get through is retried there until the
+        hand-off's lease ends, which frees the blocks anyway."""
+        if not address or not src.remote_request_id:  # no address: nobody to release to
             return
-        with self._lock:
-            peer = self._peers.get(address)
-        client = peer.client if peer is not None else MetadataClient(address, token=self.options.token,
-                                                                     timeout=self.options.timeout_s / 2, retries=1)
-        try:
-            client.release(self.engine.engine_id, rid, aborted=not ok, grant=src.grant)
-        except KVBridgeError as exc:  # the producer's lease frees the blocks instead
-            log.info("%s: release of %s at %s failed: %s", self.engine.engine_id, rid, address, exc)
-        finally:
-            if peer is None:
-                client.close()
+        if ok:
+            with self._lock:
+                self._reported.append((address, src))
+        else:
+            self._releaser.release((address,), src, aborted=True)
 
     # ---- one-sided ----
     def start(self, op: BlockLoad) -> Transfer | None:
@@ -220,13 +220,13 @@ class Puller:
                 peer = self._peers.get(address)
             if peer is None or peer.source is None or peer.source.lane not in onesided.STARTED:
                 return None
-            t0 = time.perf_counter()
+            t0, until = time.perf_counter(), time.monotonic() + self.options.timeout_s
             running = onesided.start(peer.source, self._batch(peer.source, op, src), src.seal)
         except Exception:  # noqa: BLE001 - the usual path meets the same failure and reports it
             return None
         self.stats.add(started_loads=1)
         read = Started(op, running, functools.partial(self._started_sealed, address, peer.source.lane, op, src, running, t0))
-        return Fallback(read, functools.partial(self._started_rest, address, peer, op, src, t0))
+        return Fallback(read, functools.partial(self._started_rest, address, peer, op, src, t0, until))
 
     def _started_sealed(self, address: str, lane: str, op: BlockLoad, src: UcxSource, running: Any, t0: float) -> set[int]:
         """A started read is over (on the thread that polls): its blocks count if the seal word read after it
@@ -236,13 +236,14 @@ class Puller:
             return self._sealed_read(address, lane, op, src, t0)
         return set(op.block_ids)
 
-    def _started_rest(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, t0: float, read: Transfer) -> set[int]:
+    def _started_rest(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, t0: float, until: float,
+                      read: Transfer) -> set[int]:
         """On an IO thread, for a started read the seal did not prove: a failed read's clean-up, or the producer's
         confirmation that it held the blocks throughout."""
         if read.error is not None:
             lane = peer.source.lane if peer.source is not None else "one-sided"
             return self._read_failed(address, op, src, peer, PeerUnreachable(f"{lane} read: {read.error}"))
-        return self._confirm(address, peer, op, src, t0)
+        return self._confirm(address, peer, op, src, t0, until)
 
     def _read(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource) -> set[int]:
         """One-sided: read every block straight into the KV, then count them only if the producer confirms
@@ -261,14 +262,13 @@ class Puller:
             return self._read_failed(address, op, src, peer, exc)
         if (word == src.seal[1] != 0) or (word < 0 and onesided.sealed(peer.source, src.seal, until - time.monotonic())):
             return self._sealed_read(address, peer.source.lane, op, src, t0)
-        return self._confirm(address, peer, op, src, t0)
+        return self._confirm(address, peer, op, src, t0, until)
 
     def _sealed_read(self, address: str, lane: str, op: BlockLoad, src: UcxSource, t0: float) -> set[int]:
         """The seal says the producer held the blocks throughout (read over ``lane``): they count now, and
         the release goes out once the engine has taken the report (:meth:`release_reported`)."""
         self._count(op, t0, sealed=True, lane=lane)
-        with self._lock:
-            self._sealed.append((address, src))
+        self._release(address, src, ok=True)
         return set()
 
     def _read_failed(self, address: str, op: BlockLoad, src: UcxSource, peer: _Peer, exc: Exception) -> set[int]:
@@ -279,15 +279,18 @@ class Puller:
         self._release(address, src, ok=False)
         return set(op.block_ids)
 
-    def _confirm(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, t0: float) -> set[int]:
-        """No seal to count on: the release, answered, says whether the producer held the blocks throughout."""
+    def _confirm(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, t0: float, until: float) -> set[int]:
+        """No seal to count on: the release, answered by the load's deadline ``until``, says whether the
+        producer held the blocks throughout. Unanswered, nothing counts and an aborted release follows on
+        the releaser (the producer may never have seen this one)."""
         rid, held = src.remote_request_id, False
         try:
-            held = peer.client.release(self.engine.engine_id, rid, aborted=False, grant=src.grant)
+            held = peer.client.release(self.engine.engine_id, rid, aborted=False, grant=src.grant, until=until)
         except KVBridgeError as exc:
             log.warning("%s: producer %s did not confirm %s after the read: %s", self.engine.engine_id,
                         src.engine_id, rid, exc)
             self._drop(address)
+            self._release(address, src, ok=False)
         if not held:
             log.warning("%s: producer %s no longer held %s when the read ended: %d blocks not counted",
                         self.engine.engine_id, src.engine_id, rid, len(op.block_ids))
@@ -319,7 +322,7 @@ class Puller:
                 if onesided.sealed(peer.source, src.seal, until - time.monotonic()):
                     continue
                 sealed = False
-                if not peer.client.confirm(self.engine.engine_id, src.remote_request_id, grant=src.grant):
+                if not peer.client.confirm(self.engine.engine_id, src.remote_request_id, grant=src.grant, until=until):
                     raise ProtocolError(f"producer rank {q} no longer held the hand-off when the read ended")
         except Exception as exc:  # noqa: BLE001 - nothing counts; the engine recomputes every block
             log.warning("%s: re-sliced read of %s from %s (tp=%d to tp=%d) failed: %s: %s", self.engine.engine_id,
@@ -458,18 +461,18 @@ class Puller:
                            lane_two_sided_loads=int(arrived[0] > 0))
 
     def release_reported(self) -> None:
-        """Queue the releases of sealed reads, once the engine has taken their loads' report (the worker
+        """Queue the releases of sealed reads and finished two-sided pulls, once the engine has taken their loads' report (the worker
         calls this after its poll). Queued from the read itself, the releaser's thread woke and took the GIL
         just as the engine thread needed it to see the load done (bench case ucx `transfer`, 8 MiB); the engine polls
         after every load it waits for, so nothing waits longer than its next step."""
         with self._lock:
-            sealed, self._sealed = self._sealed, []
-        for address, src in sealed:
+            done, self._reported = self._reported, []
+        for address, src in done:
             self._releaser.release((address,), src, aborted=False)
 
     def close(self) -> None:
-        self.release_reported()  # a sealed read never reported still frees its producer's blocks
-        self._releaser.close()  # the releases of sealed reads still queued
+        self.release_reported()  # a load never reported still frees its producer's blocks
+        self._releaser.close()  # the releases still queued
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:

@@ -9,9 +9,10 @@
   ``max_inflight`` chunks in flight) and sends each as one message — whole chunks, never a message per block.
 - *Release* (gRPC): the request is reported in ``finished_saving`` and its blocks freed; so is a request
   whose lease (``lease_s``) expires first (counted in ``stats.expired_leases``) — but never while a pull
-  of it is still being served (every send has a deadline, so that ends). The worker learns the held
+  of it is still being served (a pull has a deadline, so that ends). The worker learns the held
   requests from ``StepPlan.extra["ucx"]`` (:class:`~.params.UcxPlan`); a release that arrives before the
-  plan is remembered.
+  plan is remembered. A pull is served whole within ``timeout_s`` of its arrival (status and every
+  chunk), or dropped: its consumer has given up by then.
 """
 
 from __future__ import annotations
@@ -211,14 +212,18 @@ class Server:
             except (ProtocolError, UnicodeDecodeError, ValueError) as exc:
                 log.warning("%s: dropped a malformed pull: %s", self.engine.engine_id, exc)
                 continue
-            asyncio.get_running_loop().create_task(self._serve_guarded(pull, slots))
+            until = time.monotonic() + self.options.timeout_s  # the whole pull, from its arrival
+            asyncio.get_running_loop().create_task(self._serve_guarded(pull, slots, until))
 
-    async def _serve_guarded(self, pull: wire.Pull, slots: asyncio.Semaphore) -> None:
+    async def _serve_guarded(self, pull: wire.Pull, slots: asyncio.Semaphore, until: float) -> None:
         async with slots:
+            if time.monotonic() >= until:  # queued behind other pulls past its deadline: its consumer gave up
+                log.info("%s: dropped a pull of %s that waited past its deadline", self.engine.engine_id, pull.request_id)
+                return
             with self._lock:
                 self._in_service[pull.request_id] += 1
             try:
-                await self._serve(pull)
+                await self._serve(pull, until)
             except Exception as exc:  # noqa: BLE001 - one pull failing must not stop the others
                 log.warning("%s: serving %s to %s failed: %s", self.engine.engine_id, pull.request_id, pull.engine_id, exc)
                 with self._lock:
@@ -231,11 +236,11 @@ class Server:
                     if not self._in_service[pull.request_id]:
                         del self._in_service[pull.request_id]
 
-    async def _await_hold(self, pull: wire.Pull) -> None:
+    async def _await_hold(self, pull: wire.Pull, until: float) -> None:
         # The engine tells this worker what it holds in the step after the request finished; a quick
         # consumer can pull before that step ran. Wait a little for it rather than serve blocks that
         # nobody holds (they may already belong to another request).
-        deadline = time.monotonic() + min(self.options.timeout_s, HOLD_GRACE_S)
+        deadline = min(until, time.monotonic() + HOLD_GRACE_S)
         while time.monotonic() < deadline:
             with self._lock:
                 if pull.request_id in self._holds or pull.request_id in self._done:
@@ -258,8 +263,10 @@ class Server:
             return f"blocks not held for request {pull.request_id}"
         return ""
 
-    async def _serve(self, pull: wire.Pull) -> None:
-        """Answer one pull: a status (a refusal ends it there), then every chunk."""
+    async def _serve(self, pull: wire.Pull, until: float) -> None:
+        """Answer one pull: a status (a refusal ends it there), then every chunk, all of it by ``until``
+        (``time.monotonic()``: ``timeout_s`` after the pull arrived) however the link trickles — the
+        consumer gives up by then, and a lease never ends under a pull being served."""
         with self._lock:
             ep = self._consumers.get((pull.engine_id, pull.rank))
         if ep is None:
@@ -268,21 +275,22 @@ class Server:
         block_bytes = layout.num_layers * layout.block_bytes  # the real size, whatever the handshake said
         per = max(1, min(pull.blocks_per_chunk, _MAX_CHUNK_BYTES // block_bytes))
         n_chunks = -(-len(pull.block_ids) // per)
-        await self._await_hold(pull)
+        await self._await_hold(pull, until)
         refusal = self._refusal(pull) or ("too many chunks" if n_chunks > rtmod.MAX_CHUNKS - 1 else "")
         status = wire.status(wire.REFUSED if refusal else wire.OK, n_chunks, refusal, block_bytes,
                              block_bytes * len(pull.block_ids))
-        await asyncio.wait_for(ep.send(status, tag=rtmod.reply_tag(pull.serial, 0), force_tag=True), self.options.timeout_s)
+        await asyncio.wait_for(ep.send(status, tag=rtmod.reply_tag(pull.serial, 0), force_tag=True), _left(until))
         if refusal:
             self.stats.add(refused_pulls=1)
             log.info("%s: refused a pull of %s: %s", self.engine.engine_id, pull.request_id, refusal)
             return
-        await self._send_chunks(ep, pull, per, n_chunks)
+        await self._send_chunks(ep, pull, per, n_chunks, until)
         self.stats.add(served_pulls=1, served_bytes=len(pull.block_ids) * block_bytes)
 
-    async def _send_chunks(self, ep: Any, pull: wire.Pull, per: int, n_chunks: int) -> None:
-        """Gather chunk after chunk (off the loop) into at most ``max_inflight`` buffers, each sent as it is ready."""
-        timeout, layout, loop = self.options.timeout_s, self.layout, asyncio.get_running_loop()
+    async def _send_chunks(self, ep: Any, pull: wire.Pull, per: int, n_chunks: int, until: float) -> None:
+        """Gather chunk after chunk (off the loop) into at most ``max_inflight`` buffers, each sent as it is
+        ready; every wait ends by ``until``."""
+        layout, loop = self.layout, asyncio.get_running_loop()
         free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
         bufs = [self._staging.take(min(per, len(pull.block_ids))) for _ in range(min(self.options.max_inflight, n_chunks))]
         for buf in bufs:
@@ -291,7 +299,8 @@ class Server:
 
         async def send(buf: torch.Tensor, view: torch.Tensor, index: int) -> None:
             try:
-                await asyncio.wait_for(ep.send(rtmod.as_buffer(view), tag=rtmod.reply_tag(pull.serial, index), force_tag=True), timeout)
+                await asyncio.wait_for(ep.send(rtmod.as_buffer(view), tag=rtmod.reply_tag(pull.serial, index), force_tag=True),
+                                       _left(until))
             finally:
                 free.put_nowait(buf)
 
@@ -301,15 +310,17 @@ class Server:
 
         try:
             for i in range(n_chunks):
-                buf = await asyncio.wait_for(free.get(), timeout)
+                buf = await asyncio.wait_for(free.get(), _left(until))
                 for task in sends:  # a send that failed (its deadline) ends the pull
                     if task.done() and task.exception() is not None:
                         raise task.exception()  # type: ignore[misc]
                 ids = pull.block_ids[i * per:(i + 1) * per]
                 view = chunk(buf, layout, len(ids))
                 await loop.run_in_executor(self.rt.copies, gather, ids, view)
+                if time.monotonic() >= until:  # the gather took the rest: the consumer no longer waits
+                    raise TimeoutError(f"pull of {pull.request_id} not served by its deadline (timeout_s)")
                 sends.append(loop.create_task(send(buf, view, i + 1)))
-            await asyncio.gather(*sends)
+            await asyncio.wait_for(asyncio.gather(*sends), _left(until))
         finally:
             for task in sends:
                 task.cancel()
@@ -331,6 +342,12 @@ class Server:
             self.rt.close_endpoint(ep)
         if self.exporter is not None:
             self.exporter.close()
+
+
+def _left(until: float) -> float:
+    """Seconds until ``until`` (``time.monotonic()``), never negative: ``wait_for(..., 0)`` fails at once
+    unless the awaited thing is already done."""
+    return max(0.0, until - time.monotonic())
 
 
 __all__ = ["HOLD_GRACE_S", "Server"]

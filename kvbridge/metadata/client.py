@@ -87,20 +87,25 @@ class MetadataClient:
         wire.check_compatible(info, theirs, what="server")
         return theirs
 
-    def release(self, engine_id: str, request_id: str, *, aborted: bool = False, grant: bytes = b"") -> bool:
+    def release(self, engine_id: str, request_id: str, *, aborted: bool = False, grant: bytes = b"",
+                until: float | None = None) -> bool:
         """Tell the producer that ``engine_id`` received (or gave up, ``aborted``) the blocks of ``request_id``.
 
         Returns whether the producer held them from the hand-off until this call (``False`` for a
-        repeat): a one-sided reader counts the bytes it read as loaded only when it did."""
+        repeat): a one-sided reader counts the bytes it read as loaded only when it did. ``until``
+        (``time.monotonic()``): every try ends by then too (a load's own deadline)."""
         reply = self._call("Release", self._peer.Release,
-                           pb.ReleaseRequest(engine_id=engine_id, request_id=request_id, aborted=aborted, grant=grant))
+                           pb.ReleaseRequest(engine_id=engine_id, request_id=request_id, aborted=aborted, grant=grant),
+                           until=until)
         return bool(reply.held) and not reply.duplicate
 
-    def confirm(self, engine_id: str, request_id: str, *, grant: bytes = b"") -> bool:
+    def confirm(self, engine_id: str, request_id: str, *, grant: bytes = b"", until: float | None = None) -> bool:
         """Ask whether the producer still holds the blocks of ``request_id`` (they stay held; the release
-        comes later): a one-sided reader that may not release yet counts what it read only then."""
+        comes later): a one-sided reader that may not release yet counts what it read only then.
+        ``until`` as for :meth:`release`."""
         reply = self._call("Release", self._peer.Release,
-                           pb.ReleaseRequest(engine_id=engine_id, request_id=request_id, grant=grant, keep=True))
+                           pb.ReleaseRequest(engine_id=engine_id, request_id=request_id, grant=grant, keep=True),
+                           until=until)
         return bool(reply.held)
 
     def publish(self, holder: str, hashes: Sequence[bytes], *, address: str = "", ttl_s: float) -> None:
@@ -141,14 +146,18 @@ class MetadataClient:
             raise PeerUnreachable(f"{self.address}: not reachable") from None
 
     # ---- plumbing --------------------------------------------------------------------------------
-    def _call(self, method: str, fn: Callable[..., T], request: Any, *, retries: int | None = None) -> T:
+    def _call(self, method: str, fn: Callable[..., T], request: Any, *, retries: int | None = None,
+              until: float | None = None) -> T:
         if self._closed:
             raise ClosedError(f"MetadataClient({self.address!r}) is closed")
         retries = self.retries if retries is None else retries
         attempt = 0
         while True:
+            timeout = self.timeout if until is None else min(self.timeout, until - time.monotonic())
+            if timeout <= 0:
+                raise TransferTimeout(f"{self.address} {method}: no time left before the caller's deadline")
             try:
-                return fn(request, timeout=self.timeout, metadata=self._metadata)
+                return fn(request, timeout=timeout, metadata=self._metadata)
             except grpc.RpcError as err:
                 exc: KVBridgeError = wire.error_from_rpc(err, f"{self.address} {method}")
                 code = err.code() if isinstance(err, grpc.Call) else None

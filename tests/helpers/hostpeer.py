@@ -48,8 +48,9 @@ class JsonLines:
             except queue.Empty:
                 raise AssertionError(f"{self.who} did not answer within {timeout}s") from None
             assert line, f"{self.who} exited ({self.proc.poll()}): {self._log()[-3000:]}"
-            if line.startswith("{"):  # UCX may write its own lines to stdout
-                return dict(json.loads(line))
+            if line.startswith("{"):  # UCX may write its own lines to stdout, even into ours (it writes to
+                # fd 1 from its own threads: between print's text and its newline), so the first object counts
+                return dict(json.JSONDecoder().raw_decode(line)[0])
 
 
 class HostPeer:

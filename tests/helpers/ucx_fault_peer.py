@@ -9,7 +9,7 @@ Producer commands:
   ``{"params": {rid: transfer_params}}``.
 - ``{"op": "state"}`` — ``held`` (request ids still held), ``freed`` (ids reported in ``finished_saving``
   for held requests), ``stats`` (the backend's :class:`UcxStats`), ``rss_mib``, ``fds``, ``threads``,
-  ``address`` (the worker's metadata address).
+  ``address`` (the worker's metadata address), ``serving`` (two-sided pulls being served now).
 - ``{"op": "slow", "seconds": S}`` — from now on every gather of a pull sleeps S seconds first and touches
   ``OUT/gathered.<n>`` (S=0: back to full speed).
 - ``{"op": "quit"}``.
@@ -176,7 +176,8 @@ def main() -> None:
             engine.pump()
             _say({"held": sorted(engine.held), "freed": sorted(engine.freed_late), "rss_mib": _rss_mib(),
                   "stats": dataclasses.asdict(backend.stats), "fds": len(os.listdir("/proc/self/fd")),
-                  "threads": threading.active_count(), "address": getattr(server, "address", None)})
+                  "threads": threading.active_count(), "address": getattr(server, "address", None),
+                  "serving": len(getattr(server, "_in_service", ()))})
         elif op == "slow":
             slow[0] = float(cmd["seconds"])
             _say({"slow": slow[0]})
