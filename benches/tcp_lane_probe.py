@@ -130,6 +130,7 @@ def main() -> None:
     import subprocess
 
     from kvbridge.connectors.ucx import tcplane
+
     from kvbridge.testing.hosts import EmulatedHosts
 
     ap = argparse.ArgumentParser()
