@@ -62,9 +62,11 @@ def _load_hostpeer() -> Any:
 _hostpeer = _load_hostpeer()  # its JsonLines reads a peer's answers
 GEOMETRY: dict[str, Any] = {"num_layers": 4, "num_kv_heads": 4, "head_size": 64, "block_size": 16, "dtype": torch.bfloat16}
 BLOCK_BYTES = 4 * 4 * 16 * 2 * 64 * 2  # 64 KiB per block, all layers
-TIMEOUT_S = 2.0  # the consumer's timeout_s: a transfer step without progress this long fails
+TIMEOUT_S = 2.0  # the consumer's timeout_s: a load not over this long after it began fails, whole
 DEAD_PEER_S = 3.0  # a dead producer's metadata port: failed blocks within this (connection refused, no timeout)
-SILENT_PEER_S = TIMEOUT_S + 3.0  # a dead producer behind a cached UCX endpoint: status deadline + aborted release
+# a dead producer behind a cached UCX endpoint: the load's deadline, plus room for a busy machine (the aborted
+# release no longer counts: it runs off the load's path, connectors/ucx/releaser.py)
+SILENT_PEER_S = TIMEOUT_S + 3.0
 LEASE_S = 3.0  # the shared producer's lease
 log_name = "kvbridge.connectors.ucx"
 
