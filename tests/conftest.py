@@ -28,15 +28,25 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.kill()
 
 
+def _emulated(n: int) -> Iterator[list[Host]]:
+    reason = hosts_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with emulated_hosts(n) as made:
+        yield made
+
+
 @pytest.fixture
 def hosts() -> Iterator[list[Host]]:
     """Two emulated hosts (kvbridge.testing.hosts), torn down even when the test fails; skips where they
     cannot be made (not root, no network namespaces), saying why."""
-    reason = hosts_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with emulated_hosts(2) as made:
-        yield made
+    yield from _emulated(2)
+
+
+@pytest.fixture
+def three_hosts() -> Iterator[list[Host]]:
+    """Three emulated hosts on one bridge, as :func:`hosts`."""
+    yield from _emulated(3)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ dialling C's metadata server and lane it has never seen. Three emulated hosts on
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,21 +17,12 @@ pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
 
 import hostpeer as hp  # noqa: E402 - tests/helpers, on sys.path by tests/conftest.py
 
-from kvbridge.testing.hosts import Host, emulated_hosts  # noqa: E402
-from kvbridge.testing.hosts import unavailable as hosts_unavailable  # noqa: E402
+from kvbridge.testing.hosts import Host  # noqa: E402
 
 TIMEOUT_S = 2.0  # the consumer's timeout_s
-FAIL_WITHIN_S = TIMEOUT_S + 4.0  # one deadline for the handshake's dial, one for the aborted release, slack
+# one deadline for the handshake's dial, then room for a busy machine (the aborted release runs off the path)
+FAIL_WITHIN_S = TIMEOUT_S + 4.0
 TOKENS = 16 * 24 + 1
-
-
-@pytest.fixture
-def three_hosts() -> Iterator[list[Host]]:
-    reason = hosts_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with emulated_hosts(3) as made:
-        yield made
 
 
 def _producer(host: Host, out: Path) -> hp.HostPeer:

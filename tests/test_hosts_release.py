@@ -9,7 +9,6 @@ with what its producer computed.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +18,11 @@ pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
 
 import hostpeer as hp  # noqa: E402 - tests/helpers, on sys.path by tests/conftest.py
 
-from kvbridge.testing.hosts import Host, emulated_hosts  # noqa: E402
-from kvbridge.testing.hosts import unavailable as hosts_unavailable  # noqa: E402
+from kvbridge.testing.hosts import Host  # noqa: E402
 
 TIMEOUT_S = 3.0  # the consumer's timeout_s: a release to the cut producer waits up to this long per try
 LONG_LEASE_S = 120.0  # far past the test: a hold that ends did so by the release, not the lease
 TOKENS = 16 * 24 + 1
-
-
-@pytest.fixture
-def three_hosts() -> Iterator[list[Host]]:
-    reason = hosts_unavailable()
-    if reason:
-        pytest.skip(reason)
-    with emulated_hosts(3) as made:
-        yield made
 
 
 def _pull_exact(producer: Any, consumer: Any, rid: str, seed: int) -> dict[str, Any]:
