@@ -176,9 +176,10 @@ static int pipe_move(int pipe, int sock, struct iovec *iov, int n, double until,
             continue;
         }
         if (r == 0) return ECONNRESET; /* the server closed its end mid-message */
-        if (errno == EINTR) continue;
-        if (errno == EPIPE) drop_sigpipe();
-        if (errno != EAGAIN) return errno;
+        int e = errno;
+        if (e == EINTR) continue;
+        if (e == EPIPE) drop_sigpipe(); /* (changes errno) */
+        if (e != EAGAIN) return e;
         int err = pipe_wait(pipe, how == PIPE_READ ? POLLIN : POLLOUT, sock, until);
         if (err) return err;
     }

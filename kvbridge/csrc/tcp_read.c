@@ -482,6 +482,11 @@ static PyMethodDef source_methods[] = {
     {"close", (PyCFunction)source_close, METH_NOARGS, "close(): drop the idle connections; no read starts after"},
     {NULL}};
 
+static PyObject *source_local(TcpSourceObject *s, void *unused) { return PyBool_FromLong(s->local); }
+
+static PyGetSetDef source_getset[] = {
+    {"local", (getter)source_local, NULL, "whether it reads over a local socket, its data through pipes", NULL}, {NULL}};
+
 PyTypeObject TcpSourceType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvbridge._core.TcpSource",
     .tp_doc = "TcpSource(host, port, secret, *, streams=4, timeout_s=10): a producer's TcpServer, read from here (host '@NAME': over its local socket NAME, data through pipes)",
@@ -491,4 +496,5 @@ PyTypeObject TcpSourceType = {
     .tp_init = (initproc)source_init,
     .tp_dealloc = (destructor)source_dealloc,
     .tp_methods = source_methods,
+    .tp_getset = source_getset,
 };
