@@ -161,7 +161,12 @@ static int pipe_move(int pipe, int sock, struct iovec *iov, int n, double until,
     while (first < n && iov[first].iov_len == 0) first++;
     while (first < n) {
         if (tcp_now() >= until) return ETIMEDOUT;
-        int k = n - first < IOV_MAX ? n - first : IOV_MAX;
+        /* at most a pipe's worth of entries a call: the kernel imports and checks every entry offered, and a
+         * call moves no more than the pipe holds (bench case: benches/tcp_lane_probe.py, rows lscat:4 and
+         * lone:4, scattered pieces against the same bytes as one entry) */
+        size_t offered = 0;
+        int k = 0;
+        while (first + k < n && k < IOV_MAX && offered < TCP_PIPE_BYTES) offered += iov[first + k++].iov_len;
         ssize_t r = how == PIPE_SPLICE  ? vmsplice(pipe, iov + first, (unsigned long)k, SPLICE_F_NONBLOCK)
                     : how == PIPE_WRITE ? writev(pipe, iov + first, k)
                                         : readv(pipe, iov + first, k);
