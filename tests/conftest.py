@@ -28,11 +28,11 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.kill()
 
 
-def _emulated(n: int) -> Iterator[list[Host]]:
+def _emulated(n: int, pods: bool = False) -> Iterator[list[Host]]:
     reason = hosts_unavailable()
     if reason:
         pytest.skip(reason)
-    with emulated_hosts(n) as made:
+    with emulated_hosts(n, pods=pods) as made:
         yield made
 
 
@@ -47,6 +47,13 @@ def hosts() -> Iterator[list[Host]]:
 def three_hosts() -> Iterator[list[Host]]:
     """Three emulated hosts on one bridge, as :func:`hosts`."""
     yield from _emulated(3)
+
+
+@pytest.fixture
+def pods() -> Iterator[list[Host]]:
+    """Two pods on one node (one network namespace, each its own pid, uts, IPC and mount namespaces), as
+    :func:`hosts`."""
+    yield from _emulated(2, pods=True)
 
 
 @pytest.fixture

@@ -3,7 +3,8 @@ engine on host B, each with its own network, pid, uts, IPC and mount namespaces,
 the transfer params travel through this process (outside both hosts), as through a proxy.
 
 - ``ucx``: nothing configured for the addresses — the producer advertises its own routable address (the
-  params name host A's), the consumer reads one-sided over TCP (``auto``; cma cannot cross hosts).
+  params name host A's), the consumer reads one-sided over TCP (``auto``; cma cannot cross hosts). Between
+  two pods of one network the same configuration reads through pipes (the tcp lane's local medium).
 - ``fs`` and ``chain`` (cpu, then fs): over a directory both hosts mount (the shared file system).
 
 Each time the consumer's greedy tokens and logprobs equal a single plain engine's and vLLM counted the
@@ -53,9 +54,10 @@ def _check_loaded(result: dict[str, Any], baseline: dict[str, Any]) -> None:
     assert result["worker"].get("load_blocks") == FULL_BLOCKS and not result["worker"].get("failed_blocks"), result
 
 
-def test_ucx_pd_across_hosts(hosts: list[Host], on_host: Callable[..., Engine], baseline: dict, prompts: dict,
-                             tmp_path: Path) -> None:
-    a, b = hosts
+@pytest.mark.parametrize("where", ["hosts", "pods"])
+def test_ucx_pd_across_hosts(request: pytest.FixtureRequest, where: str, on_host: Callable[..., Engine],
+                             baseline: dict, prompts: dict, tmp_path: Path) -> None:
+    a, b = request.getfixturevalue(where)
     params, done = tmp_path / "params.json", tmp_path / "consumer.done"
     producer = on_host(a, "producer", 0, kv=kv_config("kvbridge.UCXConnector", "kv_producer", {}),
                        requests=[{"name": n, "prompt": prompts[n], "max_tokens": 1} for n in "AB"],
@@ -70,6 +72,10 @@ def test_ucx_pd_across_hosts(hosts: list[Host], on_host: Callable[..., Engine], 
         address = served[n]["kv_transfer_params"]["metadata_address"]
         assert address.rpartition(":")[0] == a.address, f"the producer advertised {address}, not host A's address"
         _check_loaded(got[n], baseline[n])
+    medium = "lane_tcp_local_loads" if where == "pods" else "lane_tcp_loads"  # pods of one network: pipes
+    for n in "AB":
+        lanes = {k: v for k, v in got[n]["worker"].items() if k.startswith("lane_") and v}
+        assert set(lanes) == {medium}, lanes
 
 
 @pytest.mark.parametrize("backend", ["fs", "chain"])
