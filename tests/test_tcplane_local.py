@@ -228,3 +228,28 @@ def test_the_connectors_auto_lane_between_pods_loads_through_pipes(tmp_path: Pat
         finally:
             assert consumer.close() == 0
             assert producer.close() == 0
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_the_option_tcp_local_picks_the_medium_and_both_are_bit_exact(tmp_path: Path, local: bool) -> None:
+    pytest.importorskip("ucxx", reason="pip install 'kvbridge[ucx]'")
+    import torch
+    from kvbridge.connectors.ucx import UcxBackend, UcxOptions
+
+    from kvbridge.testing import MiniEngine
+
+    options = UcxOptions(registry_dir=str(tmp_path / "reg"), timeout_s=5, lane="tcp", tcp_local=local)
+    producer = MiniEngine(UcxBackend(options), engine_id="p", role="producer", seed=1)
+    consumer = MiniEngine(UcxBackend(options), engine_id="c", role="consumer", seed=2)
+    try:
+        for i in range(2):  # the handshake's load, then one started from the step
+            tokens = list(range(1000 * i, 1000 * i + 16 * 5 + 3))
+            sent = producer.prefill(f"r{i}", tokens)
+            got = consumer.prefill(f"r{i}-c", tokens, sent.finish.transfer_params)
+            assert got.failed_blocks == [] and len(got.loaded_blocks) == 5
+            assert torch.equal(got.snapshot[:, :5], sent.snapshot[:, :5])  # the bytes that left arrived
+        stats = consumer.worker.stats  # type: ignore[attr-defined]
+        assert (stats.lane_tcp_local_loads, stats.lane_tcp_loads) == ((2, 0) if local else (0, 2))
+    finally:
+        consumer.close()
+        producer.close()
