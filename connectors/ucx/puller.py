@@ -15,7 +15,8 @@ step itself (:meth:`Puller.start`): a native thread reads the blocks and then th
 that sees it over counts it — no Python thread between the engine and the read, whose two GIL hand-offs cost a
 visible share of a small hand-off (bench case ucx `transfer`, 8 MiB). Everything that waits on the network (a handshake, a ``ucp`` or two-sided load, the
 confirming release when no seal is in place, a failure's clean-up) runs on the worker's IO threads
-(:class:`~kvbridge.lifecycle.Transfers`).
+(:class:`~kvbridge.lifecycle.Transfers`), a few per producer (:mod:`.slots`): a dead producer's loads
+never hold the thread a healthy one's would run on.
 
 Every wait has a deadline. A load's data — a one-sided read with its seal word, a re-sliced load's reads
 from every producer rank, a two-sided pull's status and chunks — must be in by ``timeout_s`` after it
@@ -48,7 +49,7 @@ from kvbridge.connectors.ucx.params import UcxSource, is_id
 from kvbridge.connectors.ucx.releaser import Releaser
 from kvbridge.connectors.ucx.staging import StagingPool, bury, chunk, sync
 
-from kvbridge.contract import BlockLoad, EngineInfo
+from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import KVBridgeError, PeerUnreachable, ProtocolError, TransferError, TransferTimeout
 from kvbridge.layout import BlockAddressing, Cut, KVLayout, LayoutFingerprint, reslice
 from kvbridge.metadata.client import MetadataClient
@@ -57,7 +58,7 @@ from kvbridge.transfer import Fallback, Started, Transfer
 
 log = logging.getLogger(__name__)
 
-LOAD_THREADS = 4  # loads a consumer worker runs at once
+LOAD_THREADS = 4  # loads a consumer worker runs at once per producer address (:mod:`.slots`)
 
 
 @dataclasses.dataclass
@@ -111,6 +112,17 @@ class Puller:
         if self.engine.rank == 0:
             return src.metadata_address
         raise ProtocolError(f"the producer published no metadata address for rank {self.engine.rank}")
+
+    def producer(self, op: BlockLoad | BlockSave) -> str:
+        """The producer address ``op`` loads from (every rank's for a re-sliced load; ``""``: none), whose
+        IO threads run it (:mod:`.slots`)."""
+        src = op.source if isinstance(op, BlockLoad) else None
+        if not isinstance(src, UcxSource):
+            return ""
+        try:
+            return ",".join(dict.fromkeys(src.addresses)) if src.resliced(self.engine.world_size) else self._address(src)
+        except ProtocolError:
+            return ""
 
     def _peer(self, address: str, src: UcxSource, resliced: tuple[LayoutFingerprint, Cut] | None = None) -> _Peer:
         with self._lock:
