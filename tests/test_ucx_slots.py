@@ -10,8 +10,8 @@ import threading
 import time
 
 import pytest
-
 from kvbridge.connectors.ucx import slots as slotsmod
+
 from kvbridge.contract import BlockLoad, BlockSave, WorkerReport
 from kvbridge.errors import ClosedError
 from kvbridge.lifecycle import Transfers
