@@ -50,7 +50,7 @@ def ucx_prefix() -> str | None:
 def core_extension() -> Extension:
     return Extension(
         "kvbridge._core",
-        [f"{CSRC}/{name}.c" for name in ("args", "pool", "copy", "file", "crc32c", "tcp_io", "tcp_serve",
+        [f"{CSRC}/{name}.c" for name in ("args", "pool", "copy", "file", "crc32c", "tcp_io", "tcp_local", "tcp_serve",
                                         "tcp_read", "core")],
         depends=[f"{CSRC}/args.h", f"{CSRC}/core.h", f"{CSRC}/tcp.h"],
         libraries=["pthread"],

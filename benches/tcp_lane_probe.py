@@ -8,7 +8,8 @@ Rows: ``scat:S`` the bench's descriptors (Llama-3-8B, 32 layers x K/V, 32 KiB pi
 both sides) over S streams; ``one:S`` the same bytes as one descriptor; either with ``/B`` appended: the
 server's send buffer per connection, bytes (``scat:4/0``: the kernel's; default the lane's, ``tcplane.SNDBUF``);
 ``ctcp:S`` rawtcp, ``ctcp-sndbuf:S`` rawtcp with the lane's send buffer and non-blocking sends,
-``ctcpwarm:S`` rawtcp without the cache eviction. ``@VAR=V+VAR=V`` after a row: environment of both ends.
+``ctcpwarm:S`` rawtcp without the cache eviction; ``lscat:S`` / ``lone:S`` the ``scat`` / ``one`` rows over the
+local medium (pipes; two pods or one host), ``pipe:S`` rawtcp through pipes. ``@VAR=V+VAR=V`` after a row: environment of both ends.
 Every read is timed from ``TcpSource.start`` to ``result()`` after an untimed cache eviction; the first
 read of each row and round is checked byte for byte and not timed.
 """
@@ -47,6 +48,8 @@ def _descs(base: int, blocks: int, ids: np.ndarray) -> np.ndarray:
 
 
 def serve(blocks: int, sndbuf: int) -> None:
+    import os
+
     from kvbridge import native
 
     mod, _ = native.load_core()
@@ -56,9 +59,11 @@ def serve(blocks: int, sndbuf: int) -> None:
     secret = b"s" * 32
     import resource
 
+    local = f"kvbridge-probe-{os.getpid()}"
     srv = mod.TcpServer("0.0.0.0", 0, [(kv.ctypes.data, kv.nbytes)], secret,
-                        seals=(seals.ctypes.data, seals.nbytes), sndbuf=sndbuf)
-    print("@@" + json.dumps({"port": srv.port, "base": kv.ctypes.data, "seal": seals.ctypes.data}), flush=True)
+                        seals=(seals.ctypes.data, seals.nbytes), sndbuf=sndbuf, local=local)
+    print("@@" + json.dumps({"port": srv.port, "base": kv.ctypes.data, "seal": seals.ctypes.data, "local": local}),
+          flush=True)
     r0 = resource.getrusage(resource.RUSAGE_SELF)
     sys.stdin.readline()
     srv.close()
@@ -86,14 +91,15 @@ def read(host: str, port: int, base: int, seal: int, blocks: int, mib: int, rows
     sources = {}
     for r in rows:
         kind, _, s = r.partition(":")
-        if kind in ("scat", "one"):
-            sources[r] = mod.TcpSource(host, port, b"s" * 32, streams=int(s.partition("/")[0]), timeout_s=10)
+        if kind in ("scat", "one", "lscat", "lone"):  # l...: the local medium, through pipes
+            where = ("@" + host, 0) if kind.startswith("l") else (host, port)
+            sources[r] = mod.TcpSource(*where, b"s" * 32, streams=int(s.partition("/")[0]), timeout_s=10)
     for k in range(rounds):
         for r in rows[k % len(rows):] + rows[: k % len(rows)]:
             kind = r.partition(":")[0]
-            if kind == "ctcp":
+            if kind in ("ctcp", "pipe"):
                 continue
-            if kind == "one":
+            if kind in ("one", "lone"):
                 args = (np.array([base], dtype=np.uint64), np.array([local.ctypes.data], dtype=np.uint64),
                         np.array([n * LAYERS * 2 * PIECE], dtype=np.uint64))
             else:
@@ -110,7 +116,7 @@ def read(host: str, port: int, base: int, seal: int, blocks: int, mib: int, rows
                     cpu += ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime
                 assert word == 77 and nbytes == n * LAYERS * 2 * PIECE
                 if i == 0:
-                    if kind == "scat":
+                    if kind in ("scat", "lscat"):
                         for a, b in zip(_descs(0, blocks, rid)[:64], _descs(0, blocks, lid)[:64]):
                             assert np.array_equal(local[int(b):int(b) + PIECE], want[int(a):int(a) + PIECE])
                     else:
@@ -150,6 +156,10 @@ def main() -> None:
             for k in range(args.rounds):  # one round at a time, so ctcp alternates with the lane's rows
                 order = rows[k % len(rows):] + rows[: k % len(rows)]
                 for r in order:
+                    if r.startswith("pipe"):
+                        res[r].append(_ctcp(a, b, mib << 20, int(r.split(":")[1]), args.reps, cpu.setdefault(r, []),
+                                            local=f"@kvbridge-probe-pipe-{os.getpid()}"))
+                        continue
                     if r.startswith("ctcp"):
                         res[r].append(_ctcp(a, b, mib << 20, int(r.split(":")[1].split("@")[0]), args.reps, cpu.setdefault(r, []),
                                             warm=r.startswith("ctcpwarm"), small="@small" in r,
@@ -163,7 +173,8 @@ def main() -> None:
                                   stdout=subprocess.PIPE, text=True, env=env)
                     assert srv.stdout is not None and srv.stdin is not None
                     info = json.loads(srv.stdout.readline().removeprefix("@@"))
-                    cli = b.popen([sys.executable, __file__, "read", a.address, str(info["port"]), str(info["base"]),
+                    host = info["local"] if r.startswith("l") else a.address
+                    cli = b.popen([sys.executable, __file__, "read", host, str(info["port"]), str(info["base"]),
                                    str(info["seal"]), str(blocks), str(mib), r.partition("@")[0], "1", str(args.reps)],
                                   stdout=subprocess.PIPE, text=True, env=env)
                     out = cli.communicate()[0]
@@ -189,7 +200,7 @@ def main() -> None:
 
 
 def _ctcp(a: object, b: object, nbytes: int, streams: int, reps: int, cpu: list[tuple[float, float]],
-          warm: bool = False, small: bool = False, sndbuf: int = 0) -> list[float]:
+          warm: bool = False, small: bool = False, sndbuf: int = 0, local: str = "") -> list[float]:
     import os
 
     os.environ["KVBRIDGE_RAWTCP_SMALL_PAGES"] = "1" if small else ""
@@ -197,9 +208,9 @@ def _ctcp(a: object, b: object, nbytes: int, streams: int, reps: int, cpu: list[
     from kvbridge.bench.hosts import _Proc
 
     exe = rawtcp.binary()
-    sender = _Proc(a, [exe, "send", str(nbytes), str(streams), str(sndbuf)], python=False)  # type: ignore[arg-type]
+    sender = _Proc(a, [exe, "send", str(nbytes), str(streams), local or str(sndbuf)], python=False)  # type: ignore[arg-type]
     port = sender.line("send")["port"]
-    receiver = _Proc(b, [exe, "recv", a.address, str(port), str(nbytes), str(streams), str(reps),  # type: ignore[attr-defined]
+    receiver = _Proc(b, [exe, "recv", local or a.address, str(port), str(nbytes), str(streams), str(reps),  # type: ignore[attr-defined]
                          str(0 if warm else 2 * cold.llc_bytes())], python=False)  # type: ignore[arg-type]
     msg = receiver.line("recv")
     scpu = sender.line("send cpu")["cpu"]

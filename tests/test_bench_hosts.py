@@ -26,6 +26,20 @@ def test_rows_across_hosts_measure_checked_bytes() -> None:
     assert "kvbridge" in bench_hosts.table(records)
 
 
+def test_the_pipe_row_crosses_between_pods_and_not_between_hosts() -> None:
+    """Between two pods of one network the raw pipe row and kvbridge (its tcp lane takes pipes there) move
+    checked bytes; across hosts the pipe row says it cannot reach the other end, never a figure."""
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    rows = ["kvbridge", "pipe:2", "ctcp-sndbuf:2"]
+    records = bench_hosts.run([32], [], rows, reps=1, rounds=1, shape="tiny", pods=True)
+    for rec in records:
+        assert rec["cap"] == "pods" and rec["note"] == "" and rec["gbps"] > 0, rec
+    across = bench_hosts.run([32], ["none"], ["pipe:2"], reps=1, rounds=1, shape="tiny")
+    assert "gbps" not in across[0] and "network namespace" in across[0]["note"], across
+
+
 def test_cli_refuses_unknown_rows(capsys: pytest.CaptureFixture[str]) -> None:
     if unavailable():
         pytest.skip(str(unavailable()))

@@ -1,5 +1,5 @@
-"""The cross-host bench's raw medium in C (``ctcp:N`` rows, :mod:`kvbridge.bench.rawtcp`): it moves real bytes
-over loopback, and a receiver handed bytes that differ from the pattern says so instead of timing them."""
+"""The cross-host bench's raw media in C (``ctcp:N`` and ``pipe:N`` rows, :mod:`kvbridge.bench.rawtcp`): they
+move real bytes over loopback and through pipes, and a receiver handed bytes that differ from the pattern says so instead of timing them."""
 
 from __future__ import annotations
 
@@ -26,16 +26,18 @@ def _last(out: str) -> dict[str, object]:
     return dict(json.loads([line for line in out.splitlines() if line.startswith("@@")][-1][2:]))
 
 
-# sndbuf: the kernel's buffers and blocking sends; a capped buffer refilled by non-blocking sends (ctcp-sndbuf:N)
-@pytest.mark.parametrize("sndbuf", [0, 64 << 10])
-def test_send_and_recv_over_loopback_time_every_rep(sndbuf: int) -> None:
+# the kernel's buffers and blocking sends (ctcp:N); a capped buffer refilled by non-blocking sends
+# (ctcp-sndbuf:N); pipes handed over an abstract Unix socket (pipe:N). The warm-up's bytes are compared.
+@pytest.mark.parametrize("medium", ["0", str(64 << 10), "@kvbridge-rawtcp-test"])
+def test_send_and_recv_over_loopback_time_every_rep(medium: str) -> None:
     exe = _exe()
     nbytes = (3 << 20) + 5  # not a multiple of the stream count: the last slice is longer
-    sender = subprocess.Popen([exe, "send", str(nbytes), "3", str(sndbuf)], stdout=subprocess.PIPE, text=True)
+    sender = subprocess.Popen([exe, "send", str(nbytes), "3", medium], stdout=subprocess.PIPE, text=True)
     try:
         assert sender.stdout is not None
         port = json.loads(sender.stdout.readline()[2:])["port"]
-        got = subprocess.run([exe, "recv", "127.0.0.1", str(port), str(nbytes), "3", "4", str(1 << 20)],
+        host = medium if medium.startswith("@") else "127.0.0.1"
+        got = subprocess.run([exe, "recv", host, str(port), str(nbytes), "3", "4", str(1 << 20)],
                              capture_output=True, text=True, timeout=60)
         msg = _last(got.stdout)
         samples = msg["samples"]
@@ -70,6 +72,7 @@ def test_receiver_refuses_bytes_that_differ() -> None:
 
 @pytest.mark.parametrize(("row", "ok"), [("ctcp:4", True), ("tcp:8", True), ("ctcp:64", True), ("ctcp:0", False),
                                          ("ctcp:65", False), ("ctcp:x", False), ("udp:4", False),
-                                         ("ctcp-sndbuf:4", True), ("ctcp-sndbuf:0", False)])
-def test_plain_tcp_rows_any_stream_count(row: str, ok: bool) -> None:
-    assert bench_hosts._plain_tcp(row) is ok
+                                         ("ctcp-sndbuf:4", True), ("ctcp-sndbuf:0", False),
+                                         ("pipe:4", True), ("pipe:0", False)])
+def test_raw_rows_any_stream_count(row: str, ok: bool) -> None:
+    assert bench_hosts._raw(row) is ok

@@ -16,13 +16,8 @@ Peers: tests/helpers/tcp_peer.py; the relay: tests/helpers/throttle.py.
 from __future__ import annotations
 
 import errno
-import json
-import queue
 import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,77 +27,19 @@ from kvbridge import native
 if native.load_core()[0] is None or not hasattr(native.load_core()[0], "TcpServer"):
     pytest.skip(f"kvbridge._core with the tcp lane: {native.load_core()[1]}", allow_module_level=True)
 
+from tcpkit import BLOCK, TIMEOUT_S, Peer, pair, read_all  # noqa: E402 - tests/helpers, on sys.path by conftest
 from throttle import Throttle  # noqa: E402 - tests/helpers, on sys.path by conftest
 
 from kvbridge.testing.hosts import Host  # noqa: E402
-
-PEER = Path(__file__).parent / "helpers" / "tcp_peer.py"
-BLOCK = 64 << 10
-TIMEOUT_S = 2.0
-
-
-class Peer:
-    """A tcp_peer.py process (on a host, or here): one JSON line per command."""
-
-    def __init__(self, *args: str, host: Host | None = None):
-        argv = [sys.executable, str(PEER), *args]
-        kw: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
-        self.proc = host.popen(argv, **kw) if host is not None else subprocess.Popen(argv, **kw)
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-
-    def line(self, timeout: float = 30.0) -> dict[str, Any]:
-        try:
-            return dict(json.loads(self._lines.get(timeout=timeout)))
-        except queue.Empty:
-            raise AssertionError(f"tcp_peer said nothing for {timeout}s (exit {self.proc.poll()})") from None
-
-    def send(self, **cmd: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-
-    def ask(self, timeout: float = 30.0, **cmd: Any) -> dict[str, Any]:
-        self.send(**cmd)
-        return self.line(timeout)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-
-def _pair(nbytes: int, a: Host | None = None, b: Host | None = None, **kw: Any) -> tuple[Peer, Peer, dict[str, Any]]:
-    host = a.address if a is not None else "127.0.0.1"
-    producer = Peer("serve", "--bytes", str(nbytes), "--host", host, "--timeout", str(TIMEOUT_S),
-                    "--sndbuf", str(kw.get("sndbuf", 0)), host=a)
-    info = producer.line()
-    reader = Peer("read", "--host", host, "--port", str(info["port"]), "--secret", kw.get("secret", info["secret"]),
-                  "--streams", str(kw.get("streams", 4)), "--timeout", str(TIMEOUT_S), host=b)
-    return producer, reader, info
-
-
-def _read_all(producer: Peer, reader: Peer, info: dict[str, Any], blocks: int, seal: int = 0) -> dict[str, Any]:
-    order = list(range(blocks))[::-1]
-    got = reader.ask(address=info["address"], block=BLOCK, order=order, seal=seal, timeout=60)
-    assert "error" not in got, got
-    want = producer.ask(op="sha", offset=0, block=BLOCK, order=order)["sha"]
-    assert got["bytes"] == blocks * BLOCK and got["exact"] and got["sha"] == want, got
-    return got
 
 
 # sndbuf: the kernel's, the lane's default, and one so small that every request refills it many times
 @pytest.mark.parametrize(("streams", "sndbuf"), [(1, 0), (4, 0), (4, 512 << 10), (4, 64 << 10)])
 def test_loopback_reads_are_bit_exact(streams: int, sndbuf: int) -> None:
-    producer, reader, info = _pair(256 * BLOCK, streams=streams, sndbuf=sndbuf)
+    producer, reader, info = pair(256 * BLOCK, streams=streams, sndbuf=sndbuf)
     try:
         for blocks in (1, 17, 256):  # one stream below 1 MiB, then cut between `streams`
-            _read_all(producer, reader, info, blocks)
+            read_all(producer, reader, info, blocks)
         conns, requests, _, refused = producer.ask(op="stats")["stats"]
         assert refused == 0 and requests >= 3 and conns <= streams  # connections kept between reads
     finally:
@@ -121,9 +58,9 @@ def _served_sndbufs(port: int) -> list[int]:
 @pytest.mark.skipif(subprocess.run(["ss", "-V"], capture_output=True).returncode != 0, reason="needs ss (iproute2)")
 @pytest.mark.parametrize("sndbuf", [0, 256 << 10])
 def test_the_server_caps_each_connections_send_buffer(sndbuf: int) -> None:
-    producer, reader, info = _pair(64 * BLOCK, streams=4, sndbuf=sndbuf)
+    producer, reader, info = pair(64 * BLOCK, streams=4, sndbuf=sndbuf)
     try:
-        _read_all(producer, reader, info, 64)  # 4 MiB: four streams, their connections kept open after
+        read_all(producer, reader, info, 64)  # 4 MiB: four streams, their connections kept open after
         got = _served_sndbufs(info["port"])
         assert 1 <= len(got) <= 4, got  # a stream done first may hand its connection to the next
         if sndbuf:
@@ -141,20 +78,20 @@ def test_a_negative_send_buffer_is_refused() -> None:
 
 
 def test_ranges_outside_the_registered_kv_are_refused() -> None:
-    producer, reader, info = _pair(16 * BLOCK)
+    producer, reader, info = pair(16 * BLOCK)
     try:
         for address in (info["address"] + info["length"] - 8, info["address"] - BLOCK, 4096):
             got = reader.ask(address=address, block=BLOCK, order=[0])
             assert "refused ranges outside" in got["error"] and got["errno"] == 14, got  # EFAULT
         assert producer.ask(op="stats")["stats"][3] == 3
-        _read_all(producer, reader, info, 16)  # the refusal closed that connection only
+        read_all(producer, reader, info, 16)  # the refusal closed that connection only
     finally:
         reader.close()
         producer.close()
 
 
 def test_a_wrong_secret_is_refused() -> None:
-    producer, reader, info = _pair(16 * BLOCK, secret="00" * 32)
+    producer, reader, info = pair(16 * BLOCK, secret="00" * 32)
     try:
         got = reader.ask(address=info["address"], block=BLOCK, order=[0])
         assert got["error"].startswith("PermissionError") and "secret" in got["error"], got
@@ -166,15 +103,15 @@ def test_a_wrong_secret_is_refused() -> None:
 
 
 def test_the_seal_word_comes_after_the_data_or_is_zero() -> None:
-    producer, reader, info = _pair(64 * BLOCK)
+    producer, reader, info = pair(64 * BLOCK)
     try:
         assert producer.ask(op="seal", slot=5, word=0x1234)["ok"]
         slot5 = info["seals"] + 8 * 5
-        assert _read_all(producer, reader, info, 64, seal=slot5)["word"] == 0x1234  # every stream agrees
+        assert read_all(producer, reader, info, 64, seal=slot5)["word"] == 0x1234  # every stream agrees
         assert producer.ask(op="seal", slot=5, word=0)["ok"]  # the hold ended: the read must not count
-        assert _read_all(producer, reader, info, 64, seal=slot5)["word"] == 0
-        assert _read_all(producer, reader, info, 64, seal=slot5 + 3)["word"] == 0  # not a word of the table
-        assert _read_all(producer, reader, info, 64, seal=info["address"])["word"] == 0  # KV, not the table
+        assert read_all(producer, reader, info, 64, seal=slot5)["word"] == 0
+        assert read_all(producer, reader, info, 64, seal=slot5 + 3)["word"] == 0  # not a word of the table
+        assert read_all(producer, reader, info, 64, seal=info["address"])["word"] == 0  # KV, not the table
     finally:
         reader.close()
         producer.close()
@@ -182,11 +119,11 @@ def test_the_seal_word_comes_after_the_data_or_is_zero() -> None:
 
 def test_across_hosts_reads_are_bit_exact(hosts: list[Host]) -> None:
     a, b = hosts
-    producer, reader, info = _pair(512 * BLOCK, a, b)
+    producer, reader, info = pair(512 * BLOCK, a, b)
     try:
         assert producer.ask(op="seal", slot=1, word=99)["ok"]
         for blocks in (3, 512):
-            assert _read_all(producer, reader, info, blocks, seal=info["seals"] + 8)["word"] == 99
+            assert read_all(producer, reader, info, blocks, seal=info["seals"] + 8)["word"] == 99
     finally:
         reader.close()
         producer.close()
@@ -200,9 +137,9 @@ FAIL_WITHIN_S = TIMEOUT_S + 1.5  # no progress for timeout_s, plus a loaded mach
 def test_a_fault_mid_read_fails_it_in_time_and_the_reader_goes_on(hosts: list[Host], fault: str) -> None:
     a, b = hosts
     a.set_rate(RATE)
-    producer, reader, info = _pair(256 * BLOCK, a, b)
+    producer, reader, info = pair(256 * BLOCK, a, b)
     try:
-        _read_all(producer, reader, info, 2)  # connected
+        read_all(producer, reader, info, 2)  # connected
         reader.send(address=info["address"], block=BLOCK, order=list(range(256))[::-1])
         time.sleep(0.5)
         t0 = time.monotonic()
@@ -214,7 +151,7 @@ def test_a_fault_mid_read_fails_it_in_time_and_the_reader_goes_on(hosts: list[Ho
             return
         a.link_up() if fault == "link-down" else a.undrop()
         a.set_rate(None)
-        _read_all(producer, reader, info, 256)  # the same reader, on fresh connections
+        read_all(producer, reader, info, 256)  # the same reader, on fresh connections
     finally:
         reader.close()
         producer.close()
@@ -223,7 +160,7 @@ def test_a_fault_mid_read_fails_it_in_time_and_the_reader_goes_on(hosts: list[Ho
 def test_a_reader_killed_mid_read_costs_the_producer_a_socket(hosts: list[Host]) -> None:
     a, b = hosts
     a.set_rate(RATE)
-    producer, reader, info = _pair(256 * BLOCK, a, b)
+    producer, reader, info = pair(256 * BLOCK, a, b)
     try:
         reader.send(address=info["address"], block=BLOCK, order=list(range(256)))
         time.sleep(0.5)
@@ -235,7 +172,7 @@ def test_a_reader_killed_mid_read_costs_the_producer_a_socket(hosts: list[Host])
         a.set_rate(None)
         other = Peer("read", "--host", a.address, "--port", str(info["port"]), "--secret", info["secret"], host=b)
         try:
-            _read_all(producer, other, info, 64)
+            read_all(producer, other, info, 64)
         finally:
             other.close()
     finally:
@@ -269,7 +206,7 @@ def test_a_trickling_link_fails_the_read_at_its_deadline() -> None:
     same source opens fresh ones and is bit-exact. The producer's own deadline is far off here."""
     producer, relay, reader, info = _relayed(TIMEOUT_S, 120.0)
     try:
-        _read_all(producer, reader, info, 4)  # connected at full speed (one stream)
+        read_all(producer, reader, info, 4)  # connected at full speed (one stream)
         relay.trickle = True
         got = reader.ask(address=info["address"], block=BLOCK, order=list(range(TRICKLE_BLOCKS))[::-1], timeout=60)
         assert got.get("errno") == errno.ETIMEDOUT and "deadline" in got["error"], got
@@ -277,7 +214,7 @@ def test_a_trickling_link_fails_the_read_at_its_deadline() -> None:
         _serving_ends(producer, 5.0)  # the reader closed them: never given back mid-message
         relay.trickle = False
         before = relay.accepted
-        _read_all(producer, reader, info, TRICKLE_BLOCKS)
+        read_all(producer, reader, info, TRICKLE_BLOCKS)
         assert relay.accepted == before + 4  # every stream on a fresh connection
     finally:
         reader.close()
@@ -300,7 +237,7 @@ def test_a_trickling_consumer_costs_the_producer_its_threads_by_its_deadline() -
         got = reader.line(timeout=60)  # what was in flight trickles out, then the streams end short
         assert "error" in got and got["seconds"] < 30, got
         relay.trickle = False
-        _read_all(producer, reader, info, 64)
+        read_all(producer, reader, info, 64)
     finally:
         reader.close()
         relay.close()
@@ -312,15 +249,15 @@ TRICKLE_RATE = "2mbit"  # 512 blocks of 64 KiB (32 MiB) would take over two minu
 
 def test_across_hosts_a_trickling_link_fails_the_read_at_its_deadline(hosts: list[Host]) -> None:
     a, b = hosts
-    producer, reader, info = _pair(512 * BLOCK, a, b)
+    producer, reader, info = pair(512 * BLOCK, a, b)
     try:
-        _read_all(producer, reader, info, 2)  # connected
+        read_all(producer, reader, info, 2)  # connected
         a.set_rate(TRICKLE_RATE)
         got = reader.ask(address=info["address"], block=BLOCK, order=list(range(512))[::-1], timeout=60)
         assert got.get("errno") == errno.ETIMEDOUT and got["seconds"] < TIMEOUT_S + SLACK_S, got
         _serving_ends(producer, TIMEOUT_S + 5)
         a.set_rate(None)
-        _read_all(producer, reader, info, 512)  # the same reader, bit-exact
+        read_all(producer, reader, info, 512)  # the same reader, bit-exact
     finally:
         reader.close()
         producer.close()

@@ -264,6 +264,9 @@ class Exporter:
         return out
 
     def close(self) -> None:
+        # no seal stands from now: a read the tcp lane's pipes still hold references for (tcplane: the local
+        # medium), or a cma read under way, copies its seal word last and finds it cleared
+        self.seals.words[:] = 0
         if self.tcp is not None:  # its threads read the KV: they end before the KV can go
             self.tcp.close()
             self.tcp = None
@@ -287,6 +290,11 @@ class Source:
     seals: tuple[int, int] = (0, 0)  # (address, slots) of the producer's seal table; (0, 0): none
     seal_rkey: int = -1  # its rkey index (ucp); -1: not registered, the release confirms
     tcp: Any = None  # kvbridge._core.TcpSource (tcp)
+
+    @property
+    def medium(self) -> str:
+        """The lane, and for ``tcp`` what its streams cross: ``tcp-local`` through pipes (:mod:`.tcplane`)."""
+        return "tcp-local" if self.lane == "tcp" and tcplane.is_local(self.tcp) else self.lane
 
     def close(self) -> None:
         if self.tcp is not None:

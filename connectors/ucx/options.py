@@ -53,6 +53,10 @@ class UcxOptions:
       kernel's auto-tuned one; else 64 KiB to 1 GiB). Small keeps the bytes in flight in the CPU's caches; raise it where
       ``tcp_streams`` x ``tcp_sndbuf`` is below the link's bandwidth x round trip (see
       :mod:`kvbridge.connectors.ucx.tcplane`).
+    - ``tcp_local``: the ``tcp`` lane between processes of one network namespace (pods of a node sharing
+      one network; engines in separate pid namespaces) moves the KV through pipes by reference, one copy
+      instead of TCP's two (default on; off: TCP over loopback there too; see
+      :mod:`kvbridge.connectors.ucx.tcplane`).
     - ``tcp_port``: the port a producer worker serves the ``tcp`` lane on (0: a free one; N: rank r
       listens on N+r), on ``listen_host`` or else ``advertise_host``.
     - ``token``: shared token of the metadata plane (both sides must agree).
@@ -75,6 +79,7 @@ class UcxOptions:
     tcp_streams: int = 4
     tcp_port: int = 0
     tcp_sndbuf: int = tcplane.SNDBUF
+    tcp_local: bool = True
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
@@ -103,7 +108,7 @@ class UcxOptions:
     def tcp(self) -> tcplane.Settings:
         """The ``tcp`` lane's settings (a producer adds its hosts: :class:`~.server.Server`)."""
         return tcplane.Settings(port=self.tcp_port, streams=self.tcp_streams, timeout_s=self.timeout_s,
-                               sndbuf=self.tcp_sndbuf)
+                               sndbuf=self.tcp_sndbuf, local=self.tcp_local)
 
     @property
     def registry(self) -> Path:
@@ -133,11 +138,13 @@ class UcxStats(TransferStats):
     started_loads: int = 0  # consumer: cma reads started from the engine's step on a native thread (Puller.start)
     lane_cma_loads: int = 0  # consumer: loads counted, by the lane that read them (the ucp lanes together)
     lane_tcp_loads: int = 0
+    lane_tcp_local_loads: int = 0  # the tcp lane through pipes (tcplane: the local medium)
     lane_ucp_loads: int = 0
     lane_two_sided_loads: int = 0
 
 
-LANE_COUNTERS = {"cma": "lane_cma_loads", "tcp": "lane_tcp_loads", "ucp": "lane_ucp_loads", "ucp-unsafe": "lane_ucp_loads",
+LANE_COUNTERS = {"cma": "lane_cma_loads", "tcp": "lane_tcp_loads", "tcp-local": "lane_tcp_local_loads",
+                 "ucp": "lane_ucp_loads", "ucp-unsafe": "lane_ucp_loads",
                  "two-sided": "lane_two_sided_loads"}  # a lane -> its UcxStats counter
 
 

@@ -243,7 +243,7 @@ class Puller:
         except Exception:  # noqa: BLE001 - the usual path meets the same failure and reports it
             return None
         self.stats.add(started_loads=1)
-        read = Started(op, running, functools.partial(self._started_sealed, address, peer.source.lane, op, src, running, t0))
+        read = Started(op, running, functools.partial(self._started_sealed, address, peer.source.medium, op, src, running, t0))
         return Fallback(read, functools.partial(self._started_rest, address, peer, op, src, t0, until))
 
     def _started_sealed(self, address: str, lane: str, op: BlockLoad, src: UcxSource, running: Any, t0: float) -> set[int]:
@@ -279,7 +279,7 @@ class Puller:
         except Exception as exc:  # noqa: BLE001 - nothing counts; the producer frees its blocks
             return self._read_failed(address, op, src, peer, exc)
         if (word == src.seal[1] != 0) or (word < 0 and onesided.sealed(peer.source, src.seal, until - time.monotonic())):
-            return self._sealed_read(address, peer.source.lane, op, src, t0)
+            return self._sealed_read(address, peer.source.medium, op, src, t0)
         return self._confirm(address, peer, op, src, t0, until)
 
     def _sealed_read(self, address: str, lane: str, op: BlockLoad, src: UcxSource, t0: float) -> set[int]:
@@ -313,7 +313,7 @@ class Puller:
             log.warning("%s: producer %s no longer held %s when the read ended: %d blocks not counted",
                         self.engine.engine_id, src.engine_id, rid, len(op.block_ids))
             return set(op.block_ids)
-        self._count(op, t0, sealed=False, lane=peer.source.lane if peer.source is not None else "")
+        self._count(op, t0, sealed=False, lane=peer.source.medium if peer.source is not None else "")
         return set()
 
     def _read_resliced(self, op: BlockLoad, src: UcxSource) -> set[int]:
@@ -330,7 +330,7 @@ class Puller:
                 address = src.addresses[q]
                 peer = self._peer(address, src, (theirs, cut))
                 assert peer.source is not None
-                lane = peer.source.lane
+                lane = peer.source.medium
                 try:
                     self._read_blocks(peer.source, op, src, self.addressing.narrowed(cut.dst, cut.length),
                                       until - time.monotonic())

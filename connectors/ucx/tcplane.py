@@ -13,6 +13,14 @@ Why: UCX over TCP has no one-sided GET; it emulates it with active messages on o
 by a progress thread, and moves a fraction of what plain sockets move on the same link (bench case:
 ``kvbridge bench hosts``, rows ``kvbridge-ucp`` and ``tcp:N``). RDMA and CUDA memory stay ``ucp``'s.
 
+**The local medium** (option ``tcp_local``, on by default): the producer also listens on an abstract Unix
+socket whose name (random) crosses in the handshake answer. Such a socket exists only inside its network
+namespace, so a consumer that can connect to it shares the producer's network namespace (two pods of a
+node with one network, engines whose pid namespaces keep ``cma`` out): its streams then take the KV's pages
+through pipes by reference, one copy instead of TCP's two (``kvbridge/csrc/tcp_local.c``; bench case:
+``kvbridge bench hosts --pods``, rows ``kvbridge``, ``pipe:4`` and ``ctcp-sndbuf:4``). Anywhere else the
+name is not found and the streams are TCP's.
+
 **Trust.** The traffic is neither encrypted nor authenticated beyond the secret, which crosses the
 metadata plane (TLS there when configured) and is then sent in clear on every connection: anyone who
 can watch the link can read the KV it carries and learn the secret, and with it read any byte of the
@@ -26,6 +34,7 @@ import ipaddress
 import logging
 import secrets
 import socket
+import sys
 from typing import Any
 
 import numpy as np
@@ -36,6 +45,7 @@ from kvbridge.errors import PeerUnreachable
 log = logging.getLogger(__name__)
 
 ADDRESS, SECRET = "ucx1s_tcp", "ucx1s_tcp_secret"  # handshake transport keys: "host:port", the secret (hex)
+LOCAL = "ucx1s_tcp_local"  # ... the abstract Unix socket's name (the local medium), where served
 # A producer's send buffer per connection: small enough that the bytes in flight stay in the CPU's caches,
 # large enough for a datacenter link's bytes in flight over 4 streams (the reason: tcp_serve.c's header;
 # bench case: benches/tcp_lane_probe.py, rows scat:4 with @KVB... and `kvbridge bench hosts`)
@@ -55,6 +65,7 @@ class Settings:
     # arrival + timeout_s (and the hello by the accept's); bytes that keep trickling in do not extend either
     timeout_s: float = 10.0
     sndbuf: int = SNDBUF  # each served connection's SO_SNDBUF (0: the kernel's auto-tuned one)
+    local: bool = True  # producer: serve the local medium too; consumer: use it where the producer's is reachable
 
 
 def why_not() -> str:
@@ -92,12 +103,18 @@ class Server:
         assert mod is not None
         self.secret = secrets.token_bytes(32)
         host = _listen_address(settings.host)
+        # 128 random bits: no other process picks it by chance, and a consumer cannot mistake another's for it
+        self.local = f"kvbridge-{secrets.token_hex(16)}" if settings.local and sys.platform.startswith("linux") else ""
         self._server: Any = mod.TcpServer(host, settings.port, regions, self.secret, seals=seals,
-                                          timeout_s=settings.timeout_s, idle_s=IDLE_S, sndbuf=settings.sndbuf)
+                                          timeout_s=settings.timeout_s, idle_s=IDLE_S, sndbuf=settings.sndbuf,
+                                          local=self.local)
         self.address = f"{settings.advertise}:{self._server.port}"
 
     def transport(self) -> dict[str, bytes]:
-        return {ADDRESS: self.address.encode(), SECRET: self.secret.hex().encode()}
+        out = {ADDRESS: self.address.encode(), SECRET: self.secret.hex().encode()}
+        if self.local:
+            out[LOCAL] = self.local.encode()
+        return out
 
     def stats(self) -> tuple[int, int, int, int]:
         """(connections, requests, bytes served, refused)."""
@@ -113,15 +130,39 @@ def offered(transport: dict[str, bytes]) -> bool:
     return ADDRESS in transport and SECRET in transport
 
 
+def reachable_locally(name: str) -> bool:
+    """Whether the abstract Unix socket ``name`` listens in this process's network namespace (the connection
+    made to find out is closed at once; the server drops it when no hello follows)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        try:
+            probe.connect("\0" + name)
+        except OSError:  # ECONNREFUSED (no such name here), EAGAIN (its backlog is full: TCP then)
+            return False
+    return True
+
+
 def connect(transport: dict[str, bytes], settings: Settings) -> Any:
     """A :class:`kvbridge._core.TcpSource` for the producer that answered ``transport`` (connections open
-    on its first read)."""
+    on its first read): over the producer's local socket where this process reaches it (and
+    ``settings.local``), else over TCP."""
     mod, why = native.load_core()
     if mod is None or not hasattr(mod, "TcpSource"):
         raise PeerUnreachable(f"lane 'tcp' needs kvbridge._core's tcp lane: {why or 'built without it'}")
     host, _, port = transport[ADDRESS].decode().rpartition(":")
     secret = bytes.fromhex(transport[SECRET].decode())
+    local = transport.get(LOCAL, b"").decode()
+    if settings.local and local and reachable_locally(local):
+        log.info("tcp lane to %s: the producer shares this network namespace, KV through pipes", host)
+        return mod.TcpSource("@" + local, 0, secret, streams=settings.streams, timeout_s=settings.timeout_s)
     return mod.TcpSource(_numeric(host), int(port), secret, streams=settings.streams, timeout_s=settings.timeout_s)
+
+
+def is_local(source: Any) -> bool:
+    """Whether ``source`` (from :func:`connect`) reads through pipes (the local medium)."""
+    return bool(getattr(source, "local", False))
 
 
 def seal_word(source: Any, address: int, timeout_s: float | None = None) -> int:
@@ -136,4 +177,5 @@ def seal_word(source: Any, address: int, timeout_s: float | None = None) -> int:
         return 0
 
 
-__all__ = ["ADDRESS", "SECRET", "Server", "Settings", "connect", "offered", "seal_word", "why_not"]
+__all__ = ["ADDRESS", "LOCAL", "SECRET", "Server", "Settings", "connect", "is_local", "offered", "reachable_locally",
+           "seal_word", "why_not"]

@@ -19,8 +19,13 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
   C lane is held to, with the kernel's auto-tuned buffers and blocking sends.
 - ``ctcp-sndbuf:4``: the same with the socket settings of kvbridge's tcp lane (each send buffer capped at
   the lane's ``tcp_sndbuf`` default, non-blocking sends): the lane is held to the best the medium does with
-  them too. Any stream count is a row (``tcp:8``, ``ctcp:2``, ``ctcp-sndbuf:8``); the ratio column divides
-  by the best of every plain-TCP row of the same cap and size.
+  them too.
+- ``pipe:4``: the medium of the tcp lane's local connections (:mod:`kvbridge.bench.rawtcp` ``@NAME``): the
+  bytes vmspliced into pipes handed over an abstract Unix socket, one copy. It crosses between processes of
+  one network namespace only (``--pods``); across hosts its row says it could not connect.
+- Any stream count is a row (``tcp:8``, ``ctcp:2``, ``ctcp-sndbuf:8``, ``pipe:2``); the ratio column divides
+  by the best of every raw row (these four kinds) of the same cap and size: the fastest raw medium that
+  crosses there.
 - ``ucp-get``: one ucp GET of the bytes as one buffer over UCX's tcp with peer error handling
   (:mod:`kvbridge.bench.peers` ``ucp-get:tcp``): the medium of kvbridge's cross-host lane.
 - ``nixl``, ``mooncake``: NIXL's READ over UCX tcp and Mooncake's TCP transfer engine of the same
@@ -59,9 +64,9 @@ from kvbridge.connectors.ucx import tcplane
 from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable
 
 ROWS = ("kvbridge", "kvbridge-ucp", "tcp:1", "tcp:4", "ctcp:1", "ctcp:4", "ctcp-sndbuf:4", "ucp-get", "nixl",
-        "mooncake", "cma")
-PLAIN_TCP = ("tcp:", "ctcp:", "ctcp-sndbuf:")  # plain-TCP rows, any stream count (tcp:8, ctcp:8 ...): the bar
-DEFAULT_ROWS = ROWS[:-1]
+        "mooncake", "pipe:4", "cma")
+RAW = ("tcp:", "ctcp:", "ctcp-sndbuf:", "pipe:")  # raw rows, any stream count (tcp:8, ctcp:8 ...): the bar
+DEFAULT_ROWS = ROWS[:-2]  # pipe:N crosses no host: --pods
 CAPS = ("none", "25gbit", "10gbit")
 _PEER_ROWS = {"ucp-get": "ucp-get:tcp", "nixl": "nixl:tcp", "mooncake": "mooncake:tcp", "cma": "cma"}
 _ENV = {"UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1"}
@@ -105,7 +110,7 @@ def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "t
 
 def _pair(a: Host, b: Host, what: str, send: Sequence[str], recv: Callable[[int], Sequence[str]], timeout_s: float,
           python: bool) -> list[float]:
-    """A plain-TCP row: ``send`` started on ``a`` says its port, ``recv(port)`` on ``b`` times the reps."""
+    """A raw row: ``send`` started on ``a`` says its port, ``recv(port)`` on ``b`` times the reps."""
     sender = _Proc(a, send, timeout_s, python=python)
     try:
         port = sender.line(f"{what} sender")["port"]
@@ -134,6 +139,14 @@ def _ctcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: flo
                  timeout_s, python=False)
 
 
+def _pipe(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
+    exe, name = rawtcp.binary(), f"@kvbridge-bench-{os.getpid()}-{time.monotonic_ns()}"
+    evict_bytes = 0 if not cold.evicting() else 2 * cold.llc_bytes()
+    return _pair(a, b, "pipe", [exe, "send", str(nbytes), str(streams), name],
+                 lambda _: [exe, "recv", name, "0", str(nbytes), str(streams), str(reps), str(evict_bytes)],
+                 timeout_s, python=False)
+
+
 def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
     """``reps`` timed transfers of ``point``'s bytes by ``row``, from host ``a`` to host ``b`` (seconds);
     :class:`Hung` when one of its children stays silent for ``timeout_s``."""
@@ -145,6 +158,8 @@ def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: 
         return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s)
     if row.startswith("ctcp-sndbuf:"):
         return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s, sndbuf=tcplane.SNDBUF)
+    if row.startswith("pipe:"):
+        return _pipe(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s)
     name = _PEER_ROWS[row]
     why = peers.PEERS[name].missing()
     if why:
@@ -197,12 +212,12 @@ def _summary(cap: str, point: Point, row: str, rounds: list[list[float]], note: 
 
 
 def table(records: Sequence[dict[str, Any]]) -> str:
-    lines = [f"{'cap':7} {'tokens':>6} {'MiB':>5} {'row':12} {'GB/s':>6} {'(round medians)':>16} {'x tcp best':>10}  note"]
+    lines = [f"{'cap':7} {'tokens':>6} {'MiB':>5} {'row':12} {'GB/s':>6} {'(round medians)':>16} {'x raw best':>10}  note"]
     for rec in records:
-        best_tcp = max((r.get("gbps", 0.0) for r in records if r["cap"] == rec["cap"] and r["tokens"] == rec["tokens"]
-                        and r["row"].startswith(PLAIN_TCP)), default=0.0)  # fmt: skip
+        best_raw = max((r.get("gbps", 0.0) for r in records if r["cap"] == rec["cap"] and r["tokens"] == rec["tokens"]
+                        and r["row"].startswith(RAW)), default=0.0)  # fmt: skip
         if "gbps" in rec:
-            ratio = f"{rec['gbps'] / best_tcp:10.2f}" if best_tcp else f"{'-':>10}"
+            ratio = f"{rec['gbps'] / best_raw:10.2f}" if best_raw else f"{'-':>10}"
             spread = "({:.2f}-{:.2f})".format(rec["low"], rec["high"])
             lines.append(f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:12} {rec['gbps']:6.2f} "
                          f"{spread:>16} {ratio}")
@@ -212,10 +227,10 @@ def table(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _plain_tcp(row: str) -> bool:
-    """``tcp:N``, ``ctcp:N`` or ``ctcp-sndbuf:N`` with 1 <= N <= 64."""
+def _raw(row: str) -> bool:
+    """``tcp:N``, ``ctcp:N``, ``ctcp-sndbuf:N`` or ``pipe:N`` with 1 <= N <= 64."""
     kind, _, n = row.partition(":")
-    return f"{kind}:" in PLAIN_TCP and n.isdigit() and 1 <= int(n) <= 64
+    return f"{kind}:" in RAW and n.isdigit() and 1 <= int(n) <= 64
 
 
 def _list(text: str) -> list[str]:
@@ -240,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvbridge bench hosts: {why}", file=sys.stderr)
         return 2
     rows = _list(args.rows)
-    bad = [r for r in rows if r not in ROWS and not _plain_tcp(r)]
+    bad = [r for r in rows if r not in ROWS and not _raw(r)]
     if bad or args.reps < 1 or args.rounds < 1 or not args.child_timeout > 0:
         ap.error(f"unknown rows {bad} (known: {list(ROWS)})" if bad
                  else "--reps and --rounds must be >= 1, --child-timeout > 0")
@@ -253,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = run(tokens, _list(args.caps), rows, args.reps, args.rounds, log=sys.stdout, pods=args.pods,
                   child_timeout_s=args.child_timeout)
     print(table(records))
-    print(f"({time.perf_counter() - t0:.0f} s; ratio: GB/s over the best plain-TCP row of the same cap and size)")
+    print(f"({time.perf_counter() - t0:.0f} s; ratio: GB/s over the best raw row of the same cap and size)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ucx_env": ucx_env, "records": records}, f, indent=1)

@@ -1,7 +1,7 @@
 /* The cross-host bench's raw medium: plain TCP in C, the same bytes over N streams, no protocol beyond a
  * one-byte ask per stream (kvbridge/bench/rawtcp.py compiles and runs it; rows `ctcp:N`).
  *
- *   rawtcp send NBYTES STREAMS [SNDBUF]                   listens on every address, prints @@{"port": P}
+ *   rawtcp send NBYTES STREAMS [SNDBUF | @NAME]           listens on every address, prints @@{"port": P}
  *   rawtcp recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES  prints @@{"samples": [...]} or @@{"error": ...}
  *
  * The receiver connects STREAMS sockets once (kept for every repetition, as kvbridge keeps its streams),
@@ -17,6 +17,11 @@
  * why): the same socket settings in a program with nothing else in it, so that the lane is held to the
  * best the medium does with them too.
  *
+ * @NAME (rows pipe:N): the sender listens on the abstract Unix socket NAME instead, hands each connection a
+ * pipe's read end (SCM_RIGHTS) and answers each 'g' by vmsplicing its slice into that pipe, by reference;
+ * the receiver (HOST @NAME) read()s it out: one copy, the medium of the tcp lane's local connections
+ * (kvbridge/csrc/tcp_local.c), which crosses between processes of one network namespace only.
+ *
  * Both buffers are asked for transparent huge pages (madvise), as the ucx worker backs an engine's KV cache
  * (connectors/ucx/hugepages.py): the kernel's copies into and out of the socket then miss the TLB less, and
  * a raw row on small pages would set the bar lower than the medium allows.  KVBRIDGE_RAWTCP_SMALL_PAGES=1 in the environment keeps 4 KiB pages.
@@ -30,6 +35,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +43,8 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -45,6 +53,8 @@
 static unsigned char *buf;
 static size_t nbytes;
 static int streams, sndbuf;
+static const char *local; /* the abstract socket's name (pipe rows), else NULL */
+static int pipes[MAX_STREAMS]; /* the sender's write ends, the receiver's read ends */
 
 static unsigned char pattern(size_t i) { return (unsigned char)((i * 2654435761u) >> 13) ^ (unsigned char)(i >> 20); }
 
@@ -83,6 +93,44 @@ static void nodelay(int fd) {
     (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
+static socklen_t local_address(struct sockaddr_un *u) {
+    memset(u, 0, sizeof(*u));
+    u->sun_family = AF_UNIX;
+    size_t n = strlen(local);
+    if (n + 1 >= sizeof(u->sun_path)) fail("NAME too long");
+    memcpy(u->sun_path + 1, local, n);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+}
+
+/* A connection's pipe: its read end to the receiver (SCM_RIGHTS), its write end kept (non-blocking). */
+static int hand_pipe(int fd) {
+    int p[2];
+    if (pipe(p) < 0) fail("pipe failed");
+    (void)fcntl(p[1], F_SETPIPE_SZ, 1 << 20);
+    (void)fcntl(p[1], F_SETFL, O_NONBLOCK);
+    char one = 1, room[CMSG_SPACE(sizeof(int))];
+    struct iovec v = {&one, 1};
+    struct msghdr m = {.msg_iov = &v, .msg_iovlen = 1, .msg_control = room, .msg_controllen = sizeof(room)};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &p[0], sizeof(int));
+    if (sendmsg(fd, &m, 0) != 1) fail("cannot hand a pipe over");
+    close(p[0]);
+    return p[1];
+}
+
+static int take_pipe(int fd) {
+    char one, room[CMSG_SPACE(sizeof(int))];
+    struct iovec v = {&one, 1};
+    struct msghdr m = {.msg_iov = &v, .msg_iovlen = 1, .msg_control = room, .msg_controllen = sizeof(room)};
+    int p = -1;
+    if (recvmsg(fd, &m, 0) != 1 || !CMSG_FIRSTHDR(&m)) fail("no pipe handed over");
+    memcpy(&p, CMSG_DATA(CMSG_FIRSTHDR(&m)), sizeof(int));
+    return p;
+}
+
 /* ---- sender */
 
 static void *serve(void *arg) {
@@ -92,7 +140,13 @@ static void *serve(void *arg) {
     int wait = sndbuf ? MSG_DONTWAIT : 0;
     while (recv(fd, &ask, 1, MSG_WAITALL) == 1 && ask == 'g') {
         for (size_t at = lo; at < hi;) {
-            ssize_t r = send(fd, buf + at, hi - at, MSG_NOSIGNAL | wait);
+            struct iovec v = {buf + at, hi - at};
+            ssize_t r = local ? vmsplice(pipes[k], &v, 1, SPLICE_F_NONBLOCK) : send(fd, buf + at, hi - at, MSG_NOSIGNAL | wait);
+            if (r < 0 && local && errno == EAGAIN) {
+                struct pollfd p = {pipes[k], POLLOUT, 0};
+                if (poll(&p, 1, -1) < 0 && errno != EINTR) return NULL;
+                continue;
+            }
             if (r < 0 && wait && (errno == EAGAIN || errno == EWOULDBLOCK)) {
                 struct pollfd p = {fd, POLLOUT, 0};
                 if (poll(&p, 1, -1) < 0 && errno != EINTR) return NULL;
@@ -108,19 +162,21 @@ static void *serve(void *arg) {
 
 static int do_send(void) {
     for (size_t i = 0; i < nbytes; i++) buf[i] = pattern(i);
-    int lfd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    int lfd = socket(local ? AF_UNIX : AF_INET, SOCK_STREAM, 0), one = 1;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0, .sin_addr = {htonl(INADDR_ANY)}};
-    socklen_t al = sizeof(a);
-    if (lfd < 0 || setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
-        bind(lfd, (struct sockaddr *)&a, sizeof(a)) < 0 || listen(lfd, MAX_STREAMS) < 0 ||
-        getsockname(lfd, (struct sockaddr *)&a, &al) < 0)
+    struct sockaddr_un u;
+    socklen_t al = local ? local_address(&u) : sizeof(a);
+    struct sockaddr *sa = local ? (struct sockaddr *)&u : (struct sockaddr *)&a;
+    if (lfd < 0 || setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 || bind(lfd, sa, al) < 0 ||
+        listen(lfd, MAX_STREAMS) < 0 || (!local && getsockname(lfd, sa, &al) < 0))
         fail("cannot listen");
-    printf("@@{\"port\": %d}\n", ntohs(a.sin_port));
+    printf("@@{\"port\": %d}\n", local ? 0 : ntohs(a.sin_port));
     fflush(stdout);
     pthread_t t[MAX_STREAMS];
     for (int k = 0; k < streams; k++) {
         int fd = accept(lfd, NULL, NULL);
         if (fd < 0) fail("accept failed");
+        if (local) pipes[k] = hand_pipe(fd);
         nodelay(fd);
         if (sndbuf > 0) (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf));
         pthread_create(&t[k], NULL, serve, (void *)(intptr_t)((fd << 8) | k));
@@ -147,7 +203,7 @@ static void *take(void *arg) {
         size_t lo = cut(k), hi = cut(k + 1);
         if (send(fds[k], "g", 1, MSG_NOSIGNAL) != 1) failed = 1;
         for (size_t at = lo; !failed && at < hi;) {
-            ssize_t r = recv(fds[k], buf + at, hi - at, 0);
+            ssize_t r = local ? read(pipes[k], buf + at, hi - at) : recv(fds[k], buf + at, hi - at, 0);
             if (r <= 0) failed = 1;
             else at += (size_t)r;
         }
@@ -161,10 +217,15 @@ static void evict(unsigned char *scratch, size_t n) {
 
 static int do_recv(const char *host, int port, int reps, size_t evict_bytes) {
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    if (inet_pton(AF_INET, host, &a.sin_addr) != 1) fail("host is not a numeric IPv4 address");
+    struct sockaddr_un u;
+    if (host[0] == '@') local = host + 1;
+    else if (inet_pton(AF_INET, host, &a.sin_addr) != 1) fail("host is not a numeric IPv4 address or @NAME");
+    socklen_t al = local ? local_address(&u) : sizeof(a);
     for (int k = 0; k < streams; k++) {
-        fds[k] = socket(AF_INET, SOCK_STREAM, 0);
-        if (fds[k] < 0 || connect(fds[k], (struct sockaddr *)&a, sizeof(a)) < 0) fail("cannot connect");
+        fds[k] = socket(local ? AF_UNIX : AF_INET, SOCK_STREAM, 0);
+        if (fds[k] < 0 || connect(fds[k], local ? (struct sockaddr *)&u : (struct sockaddr *)&a, al) < 0)
+            fail(local ? "cannot connect to @NAME (not in this network namespace?)" : "cannot connect");
+        if (local) pipes[k] = take_pipe(fds[k]);
         nodelay(fds[k]);
     }
     unsigned char *scratch = evict_bytes ? malloc(evict_bytes) : NULL; /* small pages: only the caches matter */
@@ -202,11 +263,12 @@ static int do_recv(const char *host, int port, int reps, size_t evict_bytes) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 4) fail("usage: rawtcp send NBYTES STREAMS [SNDBUF] | recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES");
+    if (argc < 4) fail("usage: rawtcp send NBYTES STREAMS [SNDBUF | @NAME] | recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES");
     int sending = strcmp(argv[1], "send") == 0;
     if (!sending && argc != 8) fail("usage: rawtcp recv HOST PORT NBYTES STREAMS REPS EVICT_BYTES");
-    if (sending && argc > 5) fail("usage: rawtcp send NBYTES STREAMS [SNDBUF]");
-    sndbuf = sending && argc == 5 ? atoi(argv[4]) : 0;
+    if (sending && argc > 5) fail("usage: rawtcp send NBYTES STREAMS [SNDBUF | @NAME]");
+    if (sending && argc == 5 && argv[4][0] == '@') local = argv[4] + 1;
+    else sndbuf = sending && argc == 5 ? atoi(argv[4]) : 0;
     if (sndbuf < 0) fail("SNDBUF >= 0");
     nbytes = strtoull(argv[sending ? 2 : 4], NULL, 10);
     streams = atoi(argv[sending ? 3 : 5]);

@@ -96,6 +96,31 @@ KVB_INTERNAL void tcp_tune(int fd, int sndbuf);
 /* Name the calling thread (top -H, /proc/<pid>/task, tests). */
 KVB_INTERNAL void tcp_name_thread(const char *name);
 
+/* ---- the local medium (tcp_local.c): pipes handed over an abstract Unix socket, same network namespace */
+
+/* A pipe's capacity: what one vmsplice() can queue before the consumer copies some out (the default 1 MiB
+ * limit of /proc/sys/fs/pipe-max-size; refused, the pipe keeps the kernel's 64 KiB and moves less a call). */
+#define TCP_PIPE_BYTES (1 << 20)
+/* Host strings starting with this name an abstract Unix socket (TcpSource's host, TcpServer's local). */
+#define TCP_LOCAL_PREFIX '@'
+
+/* `name` (no '@') as an abstract Unix socket address: 0, or EINVAL. */
+KVB_INTERNAL int tcp_local_address(const char *name, struct sockaddr_storage *out, socklen_t *len);
+/* A listening abstract Unix socket named `name`, or -1 with *err set (EADDRINUSE: the name is taken). */
+KVB_INTERNAL int tcp_local_listen(const char *name, int *err);
+/* Server: answer a hello with `status` and, when TCP_OK, a new pipe's read end (SCM_RIGHTS); its write end
+ * in *pipe_w.  0, or an errno (EACCES once a refusal was sent). */
+KVB_INTERNAL int tcp_pipe_offer(int sock, uint32_t status, int *pipe_w, double until);
+/* Consumer: the hello's answer, and with TCP_OK the pipe's read end in *pipe_r.  0, or an errno. */
+KVB_INTERNAL int tcp_pipe_take(int sock, uint32_t *status, int *pipe_r, double until);
+/* All of iov into the pipe by reference (vmsplice), a copy of buf (write), or out of it (readv), by the
+ * deadline `until`; any event on `sock` meanwhile ends it (ECONNRESET).  0 or an errno. */
+KVB_INTERNAL int tcp_pipe_splicev(int pipe_w, int sock, struct iovec *iov, int n, double until);
+KVB_INTERNAL int tcp_pipe_write(int pipe_w, int sock, const void *buf, size_t len, double until);
+KVB_INTERNAL int tcp_pipe_readv(int pipe_r, int sock, struct iovec *iov, int n, double until);
+/* Block SIGPIPE in the calling thread (a server thread that vmsplices: tcp_local.c says why). */
+KVB_INTERNAL void tcp_block_sigpipe(void);
+
 static inline int tcp_secret_equal(const uint8_t *a, const uint8_t *b) {
     uint8_t diff = 0; /* constant time: how much of a guess matched must not show in the answer's delay */
     for (int i = 0; i < TCP_SECRET_BYTES; i++) diff |= (uint8_t)(a[i] ^ b[i]);

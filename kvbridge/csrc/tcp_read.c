@@ -1,7 +1,7 @@
 /* The tcp lane's consumer side: kvbridge._core.TcpSource reads a producer's registered KV (its TcpServer,
  * tcp_serve.c) straight into this process's memory over several TCP streams at once (wire: tcp.h).
  *
- *   TcpSource(host, port, secret, *, streams=4, timeout_s=10)
+ *   TcpSource(host, port, secret, *, streams=4, timeout_s=10)     host "@NAME": a TcpServer's local socket NAME
  *     .start(remote, local, lengths, seal_address=0, timeout_s=None) -> TcpRead  (.result() -> (bytes, seal word))
  *     .close()
  *
@@ -52,9 +52,9 @@ typedef struct {
     int streams;
     double timeout_s;
     pthread_mutex_t lock;
-    int idle[READ_MAX_IDLE];
+    int idle[READ_MAX_IDLE], idle_pipe[READ_MAX_IDLE]; /* idle_pipe: its pipe's read end (local), else -1 */
     double since[READ_MAX_IDLE];
-    int nidle, closed;
+    int nidle, closed, local; /* local: addr is the producer's abstract Unix socket (tcp_local.c) */
 } TcpSourceObject;
 
 struct TcpReadObject;
@@ -65,6 +65,7 @@ typedef struct stream {
     uint64_t word;
     int err;
     int fd; /* its connection while it moves bytes, else -1 (r->lock) */
+    int pipe; /* a local connection's pipe (its data), else -1 */
     struct stream *next; /* the pool's queue */
 } stream;
 
@@ -85,20 +86,26 @@ typedef struct TcpReadObject {
 
 /* ---- connections */
 
+static void close_pair(int fd, int pipe) {
+    close(fd);
+    if (pipe >= 0) close(pipe);
+}
+
 static void close_idle(TcpSourceObject *s) { /* s->lock held */
-    while (s->nidle > 0) close(s->idle[--s->nidle]);
+    for (; s->nidle > 0; s->nidle--) close_pair(s->idle[s->nidle - 1], s->idle_pipe[s->nidle - 1]);
 }
 
 /* A pooled connection that is still good (no hang-up or stray bytes waiting, not idle too long), else a
- * new one that passed the hello by the deadline `until`; -1 with *err set. */
-static int take_conn(TcpSourceObject *s, double until, int *err) {
+ * new one that passed the hello by the deadline `until`; -1 with *err set.  *pipe: a local one's pipe. */
+static int take_conn(TcpSourceObject *s, double until, int *pipe, int *err) {
     pthread_mutex_lock(&s->lock);
     int fd = -1;
+    *pipe = -1;
     while (fd < 0 && s->nidle > 0) {
-        int c = s->idle[--s->nidle];
-        struct pollfd p = {c, POLLIN | POLLRDHUP, 0};
-        if (tcp_now() - s->since[s->nidle] < READ_KEEP_S && poll(&p, 1, 0) == 0) fd = c;
-        else close(c);
+        int c = s->idle[--s->nidle], cp = s->idle_pipe[s->nidle];
+        struct pollfd p[2] = {{c, POLLIN | POLLRDHUP, 0}, {cp, POLLIN, 0}}; /* a pipe with stray bytes: not reused */
+        if (tcp_now() - s->since[s->nidle] < READ_KEEP_S && poll(p, cp >= 0 ? 2 : 1, 0) == 0) fd = c, *pipe = cp;
+        else close_pair(c, cp);
     }
     pthread_mutex_unlock(&s->lock);
     if (fd >= 0) return fd;
@@ -108,7 +115,7 @@ static int take_conn(TcpSourceObject *s, double until, int *err) {
     memcpy(h.secret, s->secret, TCP_SECRET_BYTES);
     uint32_t status = TCP_BAD_SECRET;
     int e = tcp_send_all(fd, &h, sizeof(h), until);
-    if (!e) e = tcp_recv_all(fd, &status, sizeof(status), until);
+    if (!e) e = s->local ? tcp_pipe_take(fd, &status, pipe, until) : tcp_recv_all(fd, &status, sizeof(status), until);
     if (!e && status != TCP_OK) e = EACCES;
     if (e == ECONNRESET && status != TCP_OK) e = EACCES; /* refused: the server closed without an answer */
     if (e) {
@@ -119,12 +126,13 @@ static int take_conn(TcpSourceObject *s, double until, int *err) {
     return fd;
 }
 
-static void give_conn(TcpSourceObject *s, int fd, int failed) {
+static void give_conn(TcpSourceObject *s, int fd, int pipe, int failed) {
     pthread_mutex_lock(&s->lock);
     if (failed) close_idle(s); /* a cut link or a restarted producer took the others too */
-    if (failed || s->closed || s->nidle == READ_MAX_IDLE) close(fd);
+    if (failed || s->closed || s->nidle == READ_MAX_IDLE) close_pair(fd, pipe);
     else {
         s->since[s->nidle] = tcp_now();
+        s->idle_pipe[s->nidle] = pipe;
         s->idle[s->nidle++] = fd;
     }
     pthread_mutex_unlock(&s->lock);
@@ -198,7 +206,7 @@ static int stream_run(stream *st) {
     if (!err) {
         tcp_request head = {TCP_MAGIC_REQUEST, (uint32_t)n, r->seal_address};
         memcpy(q, &head, sizeof(head));
-        fd = take_conn(s, until, &err);
+        fd = take_conn(s, until, &st->pipe, &err);
     }
     if (fd >= 0) {
         if (!stream_own(st, fd)) err = ECANCELED;
@@ -207,9 +215,9 @@ static int stream_run(stream *st) {
         if (!err) err = tcp_recv_all(fd, &rep, sizeof(rep), until);
         if (!err && rep.status != TCP_OK) err = rep.status == TCP_OUT_OF_BOUNDS ? EFAULT : EPROTO;
         if (!err && rep.total != st->hi - st->lo) err = EPROTO; /* never counted: the sizes disagree */
-        if (!err) err = tcp_recvv(fd, iov, (int)(n + 1), until);
+        if (!err) err = st->pipe < 0 ? tcp_recvv(fd, iov, (int)(n + 1), until) : tcp_pipe_readv(st->pipe, fd, iov, (int)(n + 1), until);
         if (!stream_own(st, -1)) err = err ? err : ECANCELED; /* a sibling may have shut this one down */
-        give_conn(s, fd, err != 0);
+        give_conn(s, fd, st->pipe, err != 0);
     }
     if (err) stream_fail(st, err);
     free(q);
@@ -364,7 +372,8 @@ static int source_init(TcpSourceObject *s, PyObject *args, PyObject *kw) {
                      TCP_SECRET_BYTES, READ_MAX_STREAMS);
         return -1;
     }
-    if (tcp_address(host, port, &s->addr, &s->alen)) {
+    s->local = host[0] == TCP_LOCAL_PREFIX;
+    if (s->local ? tcp_local_address(host + 1, &s->addr, &s->alen) : tcp_address(host, port, &s->addr, &s->alen)) {
         PyErr_Format(PyExc_ValueError, "TcpSource: %s:%d is not a numeric address and port", host, port);
         return -1;
     }
@@ -428,7 +437,7 @@ static int plan(TcpReadObject *r, int streams) {
     r->nstreams = most < 1 ? 1 : most < (uint64_t)streams ? (int)most : streams;
     for (int k = 0; k < r->nstreams; k++)
         r->st[k] = (stream){.r = r, .lo = total * (uint64_t)k / (uint64_t)r->nstreams,
-                            .hi = total * (uint64_t)(k + 1) / (uint64_t)r->nstreams, .fd = -1};
+                            .hi = total * (uint64_t)(k + 1) / (uint64_t)r->nstreams, .fd = -1, .pipe = -1};
     return 0;
 }
 
@@ -473,13 +482,19 @@ static PyMethodDef source_methods[] = {
     {"close", (PyCFunction)source_close, METH_NOARGS, "close(): drop the idle connections; no read starts after"},
     {NULL}};
 
+static PyObject *source_local(TcpSourceObject *s, void *unused) { return PyBool_FromLong(s->local); }
+
+static PyGetSetDef source_getset[] = {
+    {"local", (getter)source_local, NULL, "whether it reads over a local socket, its data through pipes", NULL}, {NULL}};
+
 PyTypeObject TcpSourceType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvbridge._core.TcpSource",
-    .tp_doc = "TcpSource(host, port, secret, *, streams=4, timeout_s=10): a producer's TcpServer, read from here",
+    .tp_doc = "TcpSource(host, port, secret, *, streams=4, timeout_s=10): a producer's TcpServer, read from here (host '@NAME': over its local socket NAME, data through pipes)",
     .tp_basicsize = sizeof(TcpSourceObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = source_new,
     .tp_init = (initproc)source_init,
     .tp_dealloc = (destructor)source_dealloc,
     .tp_methods = source_methods,
+    .tp_getset = source_getset,
 };

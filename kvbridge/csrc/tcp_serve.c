@@ -1,12 +1,14 @@
 /* The tcp lane's producer side: kvbridge._core.TcpServer serves byte ranges of the registered KV regions to
  * consumers that present the registration's secret (wire: tcp.h).
  *
- *   TcpServer(host, port, regions, secret, *, seals=(0, 0), timeout_s=10, idle_s=300, sndbuf=0)
+ *   TcpServer(host, port, regions, secret, *, seals=(0, 0), timeout_s=10, idle_s=300, sndbuf=0, local="")
  *     .port, .stats() -> (connections, requests, bytes, refused), .close(timeout_s=10) -> bool
  *
  * One thread accepts; each connection gets a thread of its own that answers its requests in order, so a
  * consumer's N streams are served at once and the producer's engine never steps for them.  The data goes
  * from the KV's memory to the socket with sendmsg (one copy, into the socket's buffer; no staging).
+ * With `local` (a name), it also listens on that abstract Unix socket, whose connections take their data
+ * through a pipe by reference instead (tcp_local.c: consumers in the same network namespace).
  *
  * The send buffer: sndbuf > 0 caps each connection's (SO_SNDBUF; the kernel doubles it for its own
  * bookkeeping).  The kernel's auto-tuned one grows to megabytes per stream, and the bytes copied into it
@@ -48,7 +50,7 @@ typedef struct {
 } region;
 
 typedef struct server {
-    int lfd, wake[2];
+    int lfd, ufd, wake[2]; /* ufd: the local medium's listener (tcp_local.c), -1 without one */
     region *regions;
     int nregions;
     uint64_t seal_lo, seal_hi;
@@ -65,7 +67,7 @@ typedef struct server {
 
 typedef struct {
     server *s;
-    int fd, slot;
+    int fd, slot, local; /* local: accepted on ufd, its data goes through a pipe */
 } conn;
 
 /* Whether [addr, addr + len) lies inside one region; *hint: the region the last range hit (ranges of a
@@ -95,8 +97,8 @@ static int reply(int fd, uint32_t status, uint64_t total, double until) {
 
 /* One request, its header read, answered whole by the deadline `until`.  Returns 0 to go on with the
  * connection, else an errno or -1 (close). */
-static int serve_request(server *s, int fd, const tcp_request *q, tcp_desc **buf, size_t *cap, struct iovec *iov,
-                         double until) {
+static int serve_request(server *s, int fd, int pipe_w, const tcp_request *q, tcp_desc **buf, size_t *cap,
+                         struct iovec *iov, double until) {
     if (q->magic != TCP_MAGIC_REQUEST || q->n > TCP_MAX_DESCS) {
         (void)reply(fd, TCP_BAD_REQUEST, 0, until);
         return -1;
@@ -119,22 +121,30 @@ static int serve_request(server *s, int fd, const tcp_request *q, tcp_desc **buf
         }
         total += (*buf)[i].len;
     }
-    /* the reply's header leads the first batch of data: one send for both */
+    /* over TCP the reply's header leads the first batch of data: one send for both; through a pipe the
+     * header goes over the socket and the data into the pipe */
     tcp_reply head = {TCP_OK, 0, total};
-    iov[0] = (struct iovec){&head, sizeof(head)};
-    int k = 1;
+    int k = 0;
+    if (pipe_w < 0) iov[k++] = (struct iovec){&head, sizeof(head)};
+    else if ((err = tcp_send_all(fd, &head, sizeof(head), until))) return err;
     for (uint32_t i = 0; i <= q->n; i++) {
         if (i == q->n || k == IOV_MAX) {
-            if ((err = tcp_sendv(fd, iov, k, until))) return err;
+            if (k && (err = pipe_w < 0 ? tcp_sendv(fd, iov, k, until) : tcp_pipe_splicev(pipe_w, fd, iov, k, until)))
+                return err;
             k = 0;
         }
         if (i < q->n) iov[k++] = (struct iovec){(void *)(uintptr_t)(*buf)[i].addr, (size_t)(*buf)[i].len};
     }
-    /* every data byte is in the socket now, so the word read here is not older than any of them */
     uint64_t word = 0, a = q->seal_address;
-    if (a && a % 8 == 0 && a >= s->seal_lo && a + 8 <= s->seal_hi)
-        word = __atomic_load_n((const uint64_t *)(uintptr_t)a, __ATOMIC_ACQUIRE);
-    if ((err = tcp_send_all(fd, &word, sizeof(word), until))) return err;
+    int sealed = a && a % 8 == 0 && a >= s->seal_lo && a + 8 <= s->seal_hi;
+    if (pipe_w >= 0) { /* the word by reference, after the data: the consumer copies it last (tcp_local.c) */
+        struct iovec w = {(void *)(uintptr_t)a, sizeof(word)};
+        err = sealed ? tcp_pipe_splicev(pipe_w, fd, &w, 1, until) : tcp_pipe_write(pipe_w, fd, &word, sizeof(word), until);
+        if (err) return err;
+    } else { /* every data byte is in the socket now, so the word read here is not older than any of them */
+        if (sealed) word = __atomic_load_n((const uint64_t *)(uintptr_t)a, __ATOMIC_ACQUIRE);
+        if ((err = tcp_send_all(fd, &word, sizeof(word), until))) return err;
+    }
     pthread_mutex_lock(&s->lock);
     s->n_requests++;
     s->n_bytes += total;
@@ -154,6 +164,8 @@ static void *conn_main(void *arg) {
     free(arg);
     server *s = c.s;
     tcp_name_thread("kvbridge-serve");
+    if (c.local) tcp_block_sigpipe();
+    int pipe_w = -1;
     tcp_desc *buf = NULL;
     size_t cap = 0;
     struct iovec *iov = malloc(sizeof(struct iovec) * IOV_MAX);
@@ -163,7 +175,7 @@ static void *conn_main(void *arg) {
     if (!err) {
         int ok = h.magic == TCP_MAGIC_HELLO && h.version == TCP_VERSION && tcp_secret_equal(h.secret, s->secret);
         uint32_t status = ok ? TCP_OK : TCP_BAD_SECRET;
-        err = tcp_send_all(c.fd, &status, sizeof(status), until);
+        err = c.local ? tcp_pipe_offer(c.fd, status, &pipe_w, until) : tcp_send_all(c.fd, &status, sizeof(status), until);
         if (!ok) {
             count(s, &s->n_refused, 1);
             err = -1;
@@ -175,8 +187,9 @@ static void *conn_main(void *arg) {
         err = tcp_wait(c.fd, POLLIN, tcp_now() + s->idle_s);
         until = tcp_now() + s->timeout_s; /* the request's first bytes are here: all of it by then */
         if (!err) err = tcp_recv_all(c.fd, &q, sizeof(q), until);
-        if (!err) err = serve_request(s, c.fd, &q, &buf, &cap, iov, until);
+        if (!err) err = serve_request(s, c.fd, pipe_w, &q, &buf, &cap, iov, until);
     }
+    if (pipe_w >= 0) close(pipe_w); /* what is still in it stays readable until the consumer drops it */
     free(buf);
     free(iov);
     pthread_mutex_lock(&s->lock);
@@ -192,13 +205,14 @@ static void *accept_main(void *arg) {
     server *s = arg;
     tcp_name_thread("kvbridge-accept");
     for (;;) {
-        struct pollfd p[2] = {{s->lfd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};
-        if (poll(p, 2, -1) < 0 && errno != EINTR) break;
-        if (p[1].revents) break;
-        if (!(p[0].revents & POLLIN)) continue;
-        int fd = accept4(s->lfd, NULL, NULL, SOCK_CLOEXEC);
+        struct pollfd p[3] = {{s->wake[0], POLLIN, 0}, {s->lfd, POLLIN, 0}, {s->ufd, POLLIN, 0}};
+        if (poll(p, s->ufd >= 0 ? 3 : 2, -1) < 0 && errno != EINTR) break;
+        if (p[0].revents) break;
+        int local = s->ufd >= 0 && (p[2].revents & POLLIN);
+        if (!local && !(p[1].revents & POLLIN)) continue;
+        int fd = accept4(local ? s->ufd : s->lfd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) continue;
-        tcp_tune(fd, s->sndbuf);
+        tcp_tune(fd, local ? 0 : s->sndbuf); /* a local connection carries only headers: the data takes the pipe */
         pthread_mutex_lock(&s->lock);
         int slot = -1;
         for (int i = 0; i < SERVE_MAX_CONNS && slot < 0 && !s->stopping; i++)
@@ -206,7 +220,7 @@ static void *accept_main(void *arg) {
         conn *c = slot >= 0 ? malloc(sizeof(conn)) : NULL;
         pthread_t t;
         if (c) {
-            *c = (conn){s, fd, slot};
+            *c = (conn){s, fd, slot, local};
             s->conns[slot] = fd;
             s->threads++;
             s->n_conns++;
@@ -233,6 +247,7 @@ typedef struct {
 
 static void server_free(server *s) {
     if (s->lfd >= 0) close(s->lfd);
+    if (s->ufd >= 0) close(s->ufd);
     if (s->wake[0] >= 0) close(s->wake[0]);
     if (s->wake[1] >= 0) close(s->wake[1]);
     free(s->regions);
@@ -272,8 +287,8 @@ static int server_stop(TcpServerObject *o, double timeout_s) {
 }
 
 static int server_init(TcpServerObject *o, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"host", "port", "regions", "secret", "seals", "timeout_s", "idle_s", "sndbuf", NULL};
-    const char *host;
+    static char *kwlist[] = {"host", "port", "regions", "secret", "seals", "timeout_s", "idle_s", "sndbuf", "local", NULL};
+    const char *host, *local = "";
     int port;
     PyObject *regions;
     Py_buffer secret;
@@ -284,8 +299,8 @@ static int server_init(TcpServerObject *o, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "TcpServer: already started");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "siOy*|$(KK)ddi", kwlist, &host, &port, &regions, &secret, &seal_lo,
-                                     &seal_len, &timeout_s, &idle_s, &sndbuf))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "siOy*|$(KK)ddis", kwlist, &host, &port, &regions, &secret, &seal_lo,
+                                     &seal_len, &timeout_s, &idle_s, &sndbuf, &local))
         return -1;
     int ok = secret.len == TCP_SECRET_BYTES && timeout_s > 0 && idle_s > 0 && sndbuf >= 0;
     if (!ok)
@@ -295,7 +310,7 @@ static int server_init(TcpServerObject *o, PyObject *args, PyObject *kw) {
     server *s = seq ? calloc(1, sizeof(server)) : NULL;
     if (seq && !s) PyErr_NoMemory();
     if (!s) goto fail;
-    s->lfd = s->wake[0] = s->wake[1] = -1;
+    s->lfd = s->ufd = s->wake[0] = s->wake[1] = -1;
     for (int i = 0; i < SERVE_MAX_CONNS; i++) s->conns[i] = -1;
     s->nregions = (int)PySequence_Fast_GET_SIZE(seq);
     s->regions = calloc((size_t)s->nregions + 1, sizeof(region));
@@ -322,7 +337,7 @@ static int server_init(TcpServerObject *o, PyObject *args, PyObject *kw) {
         PyErr_Format(PyExc_ValueError, "TcpServer: %s:%d is not a numeric address and port", host, port);
         goto fail;
     }
-    int one = 1;
+    int one = 1, err = 0;
     s->lfd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (s->lfd < 0 || setsockopt(s->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
         bind(s->lfd, (struct sockaddr *)&addr, alen) < 0 || listen(s->lfd, 128) < 0 || pipe2(s->wake, O_CLOEXEC) < 0 ||
@@ -330,11 +345,16 @@ static int server_init(TcpServerObject *o, PyObject *args, PyObject *kw) {
         PyErr_SetFromErrno(PyExc_OSError);
         goto fail;
     }
+    if (*local && (s->ufd = tcp_local_listen(local, &err)) < 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto fail;
+    }
     o->port = ntohs(addr.ss_family == AF_INET ? ((struct sockaddr_in *)&addr)->sin_port
                                               : ((struct sockaddr_in6 *)&addr)->sin6_port);
     pthread_t t;
     s->threads = 1;
-    int err = pthread_create(&t, NULL, accept_main, s);
+    err = pthread_create(&t, NULL, accept_main, s);
     if (err) {
         errno = err;
         PyErr_SetFromErrno(PyExc_OSError);
@@ -385,7 +405,7 @@ static PyGetSetDef server_getset[] = {{"port", (getter)server_port, NULL, "the p
 
 PyTypeObject TcpServerType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvbridge._core.TcpServer",
-    .tp_doc = "TcpServer(host, port, regions, secret, *, seals=(0, 0), timeout_s=10, idle_s=300, sndbuf=0): serves the "
+    .tp_doc = "TcpServer(host, port, regions, secret, *, seals=(0, 0), timeout_s=10, idle_s=300, sndbuf=0, local=''): serves the "
               "registered regions' bytes to consumers holding the secret (the tcp lane)",
     .tp_basicsize = sizeof(TcpServerObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,

@@ -41,7 +41,8 @@ _TRANSFER = {  # stats counter -> (series, direction)
 }  # fmt: skip
 _HANDOFFS = {"refused_handoffs": "refused", "unpulled_handoffs": "unpulled", "expired_leases": "expired",
              "served_pulls": "served", "refused_pulls": "refused_pull"}  # fmt: skip
-_LANES = {"lane_cma_loads": "cma", "lane_tcp_loads": "tcp", "lane_ucp_loads": "ucp", "lane_two_sided_loads": "two-sided"}
+_LANES = {"lane_cma_loads": "cma", "lane_tcp_loads": "tcp", "lane_tcp_local_loads": "tcp-local",
+          "lane_ucp_loads": "ucp", "lane_two_sided_loads": "two-sided"}
 _SECONDS = {"load_seconds", "save_seconds"}
 
 

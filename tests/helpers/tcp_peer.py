@@ -1,6 +1,8 @@
 """Both ends of kvbridge._core's tcp lane as processes, for tests/test_tcplane.py (on loopback or on emulated hosts).
 
-    python tcp_peer.py serve --bytes N [--host H]
+    python tcp_peer.py serve --bytes N [--host H] [--local NAME] [--sigpipe-default]
+        With --local, also serves the local medium on the abstract Unix socket NAME; --sigpipe-default
+        restores SIGPIPE's default action (Python ignores it), as a host process that does not ignore it.
         Prints one JSON line (port, secret, buffer address and length, seal table address and bytes), then
         answers commands on stdin, one JSON line each:
           {"op": "seal", "slot": i, "word": w}   sets seal word i
@@ -9,7 +11,8 @@
     python tcp_peer.py read --host H --port P --secret HEX [--streams S] [--timeout T]
         Keeps one TcpSource; per JSON line on stdin {"address", "block", "order", "seal"} reads those blocks
         into a buffer of its own (block k of order to slot k, so the read is scattered) and prints
-        {"bytes", "word", "sha", "exact", "seconds"} or {"error", "errno", "seconds"}; "exact" compares every
+        {"bytes", "word", "sha", "exact", "seconds", "local"} or {"error", "errno", "seconds"}; --host @NAME reads
+        over the local medium ("local": true); "exact" compares every
         word with the producer's pattern, computed here.
 
 Word i of the producer's buffer is i * PATTERN_K (mod 2**64), as in native_peer.py.
@@ -42,11 +45,16 @@ def _say(msg: dict) -> None:
 def serve(args: argparse.Namespace) -> None:
     import kvbridge._core as core
 
+    if args.sigpipe_default:
+        import signal
+
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     buf = pattern(0, args.bytes // 8)
     seals = np.zeros(64, dtype=np.uint64)
     secret = os.urandom(32)
     server = core.TcpServer(args.host, 0, [(buf.ctypes.data, buf.nbytes)], secret,
-                            seals=(seals.ctypes.data, seals.nbytes), timeout_s=args.timeout, sndbuf=args.sndbuf)
+                            seals=(seals.ctypes.data, seals.nbytes), timeout_s=args.timeout, sndbuf=args.sndbuf,
+                            local=args.local)
     _say({"port": server.port, "secret": secret.hex(), "address": buf.ctypes.data, "length": buf.nbytes,
           "seals": seals.ctypes.data, "pid": os.getpid()})
     raw = buf.view(np.uint8)
@@ -97,7 +105,7 @@ def read(args: argparse.Namespace) -> None:
         exact = all(np.array_equal(dst[j * words : (j + 1) * words], pattern(first + int(k) * words, words))
                     for j, k in enumerate(order))
         _say({"bytes": nbytes, "word": word, "sha": hashlib.sha256(dst.tobytes()).hexdigest(), "exact": exact,
-              "seconds": seconds})
+              "seconds": seconds, "local": source.local})
     source.close()
 
 
@@ -111,6 +119,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--sndbuf", type=int, default=0, help="the server's SO_SNDBUF per connection (0: the kernel's)")
+    ap.add_argument("--local", default="", help="also serve the local medium on this abstract Unix socket")
+    ap.add_argument("--sigpipe-default", action="store_true", help="SIGPIPE kills, as in a host that does not ignore it")
     args = ap.parse_args()
     serve(args) if args.role == "serve" else read(args)
 
