@@ -1,13 +1,16 @@
 """The ucx consumer's load slots (connectors/ucx/slots.py) on their own, with real threads: a key's jobs run
 at most ``per_key`` at once and in order, another key's job starts at once whatever the first key's do,
-idle threads end (and start again), shutdown runs what is queued; and through
+idle threads end (and start again), shutdown runs what is queued, and so does a process's exit; and through
 :class:`~kvbridge.lifecycle.Transfers`, a job that raises fails its load's blocks. The same machinery
 across emulated hosts, with a dead producer: tests/test_hosts_slots.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from kvbridge.connectors.ucx import slots as slotsmod
@@ -142,3 +145,24 @@ def test_transfers_on_slots_fail_a_raising_loads_blocks_and_close_by_the_jobs_en
     gate.set()
     closer.join(5)
     assert not closer.is_alive() and _threads("kvbridge-t-transfers-") == 0
+
+
+def test_a_process_that_never_shut_its_slots_down_lets_the_running_job_end_at_exit(tmp_path: Path) -> None:
+    """The threads are daemons (an idle one never holds the exit up), yet a job still running when the
+    interpreter exits (a load writing into the KV) ends before it does."""
+    done = tmp_path / "done"
+    script = (
+        "import threading, time\n"
+        "from kvbridge.connectors.ucx.slots import Slots\n"
+        "from kvbridge.contract import BlockLoad\n"
+        "slots = Slots('exit', 2, lambda op: 'p')\n"
+        "started = threading.Event()\n"
+        f"def job():\n    started.set()\n    time.sleep(0.5)\n    open({str(done)!r}, 'w').write('ok')\n"
+        "slots.submit(BlockLoad('r', (1,)), job)\n"
+        "slots.submit(BlockLoad('s', (2,)), lambda: None)\n"  # an idle thread once this ends
+        "started.wait(10)\n"
+    )
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert done.read_text() == "ok"
+    assert time.monotonic() - t0 < slotsmod.IDLE_S, "the idle thread held the exit up"

@@ -17,15 +17,19 @@ threads for them. A fresh thread runs its job at once (``Transfers`` sets each j
 itself), so no initializer is needed.
 
 :meth:`Slots.shutdown` lets every lane run what is queued (each job ends by its own deadline), then
-joins the threads.
+joins the threads. The threads are daemons, so an idle one never holds the interpreter's exit up; the
+slots a process did not shut down are shut down at its exit all the same, since a load still running
+writes into the KV cache until its deadline.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -60,6 +64,7 @@ class Slots:
         self._lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}
         self._closed = False
+        _OPEN.add(self)
 
     def submit(self, op: BlockLoad | BlockSave, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         key = self.key(op)
@@ -125,6 +130,16 @@ class Slots:
             for thread in threads:
                 if thread is not threading.current_thread():
                     thread.join()
+
+
+_OPEN: weakref.WeakSet[Slots] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    """Daemon threads stop where they are once the interpreter finalizes: let the loads still running end first."""
+    for slots in list(_OPEN):
+        slots.shutdown()
 
 
 __all__ = ["IDLE_S", "Slots"]
