@@ -16,7 +16,8 @@ Backends only move bytes; the bookkeeping of that sequence lives here, in two ob
 - :class:`Transfers` — on the worker side. Every load and save in flight is one handle,
   :class:`~kvbridge.transfer.Transfer` (done / wait / failed ids), however it runs: on one background
   thread per worker (``run``: first in, first out, so a load planned after a save of the same key reads
-  what that save wrote), or on a backend's own native threads, which a store uses only when nothing is
+  what that save wrote; a backend may give its own :class:`Pool`, as the ``ucx`` consumer does: a few
+  threads per producer), or on a backend's own native threads, which a store uses only when nothing is
   queued on that thread. It records which requests finished loading, which blocks failed, and reports a
   *held* request in ``finished_saving`` once nothing reads or writes its blocks any more. Work a load
   leaves behind (a chain's promotion, ``after_load``) waits until the poll that reports the load: it
@@ -35,11 +36,13 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
 
 from kvbridge.contract import BlockLoad, BlockSave, WorkerReport
 from kvbridge.errors import ClosedError
@@ -50,6 +53,29 @@ log = logging.getLogger(__name__)
 POSTED_SLICE_S = 0.001  # how often a wait over several transfers in flight looks at the others
 
 WhenOver = Callable[[Transfer], None]  # what a worker does once a transfer it tracks is over (count it, queue more)
+T = TypeVar("T")
+
+
+class Pool(Protocol):
+    """Where :meth:`Transfers.run` runs its jobs, chosen per op (e.g. one lane per producer:
+    :class:`kvbridge.connectors.ucx.slots.Slots`); by default, the worker's own shared threads."""
+
+    def submit(self, op: BlockLoad | BlockSave, fn: Callable[[], T]) -> concurrent.futures.Future[T]: ...
+    def shutdown(self, wait: bool = True) -> None: ...
+
+
+class _Shared:
+    """The default :class:`Pool`: ``threads`` threads, first in, first out, whatever the op."""
+
+    def __init__(self, name: str, threads: int):
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"kvbridge-{name}",
+                                                           initializer=_idle_batch)
+
+    def submit(self, op: BlockLoad | BlockSave, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        return self._pool.submit(fn)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait)
 
 
 class Ending(enum.Enum):
@@ -160,8 +186,8 @@ class Transfers:
     once the request's load is reported (or waited for).
     """
 
-    def __init__(self, name: str, *, threads: int = 1):
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"kvbridge-{name}", initializer=_idle_batch)
+    def __init__(self, name: str, *, threads: int = 1, pool: Pool | None = None):
+        self._pool: Pool = pool if pool is not None else _Shared(name, threads)
         self._lock = threading.Lock()
         self._busy: collections.Counter[str] = collections.Counter()  # request -> transfers in flight
         self._queued = 0  # jobs submitted to the IO thread whose work is not over
@@ -195,7 +221,7 @@ class Transfers:
             if self._closed:
                 raise ClosedError("transfers are closed")
             self._queued += 1
-            transfer.future = self._pool.submit(self._settle, job)
+            transfer.future = self._pool.submit(op, functools.partial(self._settle, job))
         return transfer
 
     def track(self, transfer: Transfer, over: WhenOver | None = None) -> None:

@@ -15,7 +15,7 @@ step itself (:meth:`Puller.start`): a native thread reads the blocks and then th
 that sees it over counts it — no Python thread between the engine and the read, whose two GIL hand-offs cost a
 visible share of a small hand-off (bench case ucx `transfer`, 8 MiB). Everything that waits on the network (a handshake, a ``ucp`` or two-sided load, the
 confirming release when no seal is in place, a failure's clean-up) runs on the worker's IO threads
-(:class:`~kvbridge.lifecycle.Transfers`).
+(:class:`~kvbridge.lifecycle.Transfers`), a few per producer (:mod:`.slots`), never a healthy one's.
 
 Every wait has a deadline. A load's data — a one-sided read with its seal word, a re-sliced load's reads
 from every producer rank, a two-sided pull's status and chunks — must be in by ``timeout_s`` after it
@@ -48,7 +48,7 @@ from kvbridge.connectors.ucx.params import UcxSource, is_id
 from kvbridge.connectors.ucx.releaser import Releaser
 from kvbridge.connectors.ucx.staging import StagingPool, bury, chunk, sync
 
-from kvbridge.contract import BlockLoad, EngineInfo
+from kvbridge.contract import BlockLoad, BlockSave, EngineInfo
 from kvbridge.errors import KVBridgeError, PeerUnreachable, ProtocolError, TransferError, TransferTimeout
 from kvbridge.layout import BlockAddressing, Cut, KVLayout, LayoutFingerprint, reslice
 from kvbridge.metadata.client import MetadataClient
@@ -57,7 +57,7 @@ from kvbridge.transfer import Fallback, Started, Transfer
 
 log = logging.getLogger(__name__)
 
-LOAD_THREADS = 4  # loads a consumer worker runs at once
+LOAD_THREADS = 4  # loads a consumer worker runs at once per producer address (:mod:`.slots`)
 
 
 @dataclasses.dataclass
@@ -100,6 +100,7 @@ class Puller:
         self._peers: dict[str, _Peer] = {}
         self._staging = StagingPool(layout, LOAD_THREADS * options.max_inflight)
         self._peer_locks: collections.defaultdict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._refused: dict[str, tuple[float, str]] = {}  # address -> when and why its last handshake failed
         self._lock = threading.Lock()
         self._releaser = Releaser(options, engine.engine_id)  # every release: one lane per producer
         self._reported: list[tuple[str, UcxSource]] = []  # loads whose release waits for their report
@@ -112,19 +113,36 @@ class Puller:
             return src.metadata_address
         raise ProtocolError(f"the producer published no metadata address for rank {self.engine.rank}")
 
+    def producer(self, op: BlockLoad | BlockSave) -> str:
+        """The producer address ``op`` loads from (every rank's for a re-sliced load; ``""``: none), whose
+        IO threads run it (:mod:`.slots`)."""
+        src = op.source if isinstance(op, BlockLoad) else None
+        if not isinstance(src, UcxSource):
+            return ""
+        try:
+            return ",".join(dict.fromkeys(src.addresses)) if src.resliced(self.engine.world_size) else self._address(src)
+        except ProtocolError:
+            return ""
+
     def _peer(self, address: str, src: UcxSource, resliced: tuple[LayoutFingerprint, Cut] | None = None) -> _Peer:
         with self._lock:
             lock = self._peer_locks[address]
+        asked = time.monotonic()
         with lock:  # one handshake per producer, even with many loads starting at once
             peer = self._peers.get(address)
             if peer is not None:
                 return peer
+            when, why = self._refused.get(address, (0.0, ""))
+            if when > asked:  # the handshake this load waited for failed: so does the load, not one deadline later
+                raise PeerUnreachable(f"the handshake with {address} failed meanwhile: {why}")
             client = MetadataClient(address, token=self.options.token, timeout=self.options.timeout_s / 2, retries=1)
             try:
                 peer = self._handshake(client, src, resliced)
-            except BaseException:
+            except BaseException as exc:
                 client.close()
+                self._refused[address] = (time.monotonic(), f"{type(exc).__name__}: {exc}")
                 raise
+            self._refused.pop(address, None)
             self._peers[address] = peer
             if peer.source is not None:  # its sealed reads' releases go through the releaser
                 self._releaser.prepare(address)

@@ -16,8 +16,9 @@ from kvbridge.connectors.ucx.options import UcxOptions, UcxStats
 from kvbridge.connectors.ucx.params import PLAN, UcxPlan
 from kvbridge.connectors.ucx.puller import LOAD_THREADS, Puller
 from kvbridge.connectors.ucx.server import Server
+from kvbridge.connectors.ucx.slots import Slots
 
-from kvbridge.contract import EngineInfo, StepPlan, WorkerReport, WorkerSide
+from kvbridge.contract import BlockLoad, BlockSave, EngineInfo, StepPlan, WorkerReport, WorkerSide
 from kvbridge.errors import ProtocolError
 from kvbridge.layout import KVLayout
 from kvbridge.lifecycle import Transfers
@@ -34,8 +35,10 @@ class UcxWorker(WorkerSide):
         self.rt = rtmod.runtime(options.progress_mode, options.ucx_tls)
         self.server: Server | None = None
         self._puller: Puller | None = None
-        # a pull mostly waits on its producer: several at once, so one slow producer does not stall the rest
-        self.transfers = Transfers(f"ucx-{engine.engine_id}", threads=LOAD_THREADS)
+        # a pull mostly waits on its producer: several at once, on threads of that producer's own, so a dead
+        # producer's loads never make a healthy one's wait (:mod:`.slots`)
+        slots = Slots(f"ucx-{engine.engine_id}", LOAD_THREADS, self._producer)
+        self.transfers = Transfers(f"ucx-{engine.engine_id}", pool=slots)
 
     @property
     def metadata_address(self) -> str | None:
@@ -50,6 +53,10 @@ class UcxWorker(WorkerSide):
             self.server = Server(self.options, self.engine, layout, self.rt, self.stats)
         if self.engine.role in ("consumer", "both"):
             self._puller = Puller(self.options, self.engine, layout, self.rt, self.stats)
+
+    def _producer(self, op: BlockLoad | BlockSave) -> str:
+        """The lane of ``op``'s IO thread: the producer it loads from."""
+        return self._puller.producer(op) if self._puller is not None else ""
 
     def start_step(self, plan: StepPlan) -> None:
         self._require_layout()

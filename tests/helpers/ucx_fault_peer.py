@@ -19,13 +19,16 @@ Producer faults (each one a fake of something that cannot be made real on demand
 - ``--forge-head-size H``: the handshake advertises (and accepts) the layout fingerprint of the same cache
   with head size H, while the real blocks keep their size — a producer whose fingerprint lies.
 - ``--hang-release``: a release touches ``OUT/releasing`` and then blocks (until the test kills the process).
+- ``--hang-handshake``: a handshake blocks until ``quit`` and is then answered (a wedged producer whose gRPC
+  server still accepts: a host that drops packets fails a new handshake at gRPC's connect timeout).
 
 Consumer commands:
 
 - ``{"op": "load", "rid": R, "tokens": N, "seed": S, "params": P}`` — the consumer's part of a prefill up to
   the start of the load (lookup, allocation, the plan with the load); answers ``{"started": n_tokens}``.
 - ``{"op": "begin", "rid": R, "tokens": N, "seed": S, "params": P}`` — like ``load``, keeping the request for ``end``.
-- ``{"op": "end", "rid": R, "wait": T}`` — pump until ``R``'s load is reported (or ``T`` s pass); answers
+- ``{"op": "end", "rid": R, "wait": T}`` — pump until ``R``'s load is reported (or ``T`` s pass; several
+  loads may be begun and ended in any order); answers
   ``loaded`` / ``failed`` (block counts), ``exact`` (the loaded blocks equal what the producer computed for
   their keys), ``sha`` (sha256 of the loaded full blocks, to compare with the producer's ``sha``),
   ``seconds`` (from ``begin``), and frees the blocks.
@@ -80,17 +83,27 @@ def _sha(blocks: torch.Tensor) -> str:
     return hashlib.sha256(blocks.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _end(engine: MiniEngine, req: Any, ids: list[int], t0: float, timeout: float) -> dict[str, Any]:
-    """Wait for ``req``'s load report; what arrived, checked against what the producer computed."""
-    from kvbridge.contract import WorkerReport
-
+def _end(engine: MiniEngine, req: Any, ids: list[int], t0: float, timeout: float,
+         pending: dict[str, tuple[Any, list[int], float]],
+         reported: dict[str, tuple[set[int], float]]) -> dict[str, Any]:
+    """Wait for ``req``'s load report; what arrived, checked against what the producer computed. Reports of
+    other ``pending`` loads seen meanwhile are kept in ``reported`` (their failed blocks, when) for their end."""
     rid = req.request_id
-    try:
-        report = WorkerReport.merge(engine.wait_for(lambda r: rid in r.finished_loading, timeout))
-    except Exception as exc:  # noqa: BLE001 - the test reads the reason
-        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
-    seconds = time.monotonic() - t0
-    failed = set(report.failed_blocks)
+
+    def seen(report: Any) -> bool:
+        for other in report.finished_loading:
+            blocks = ids if other == rid else pending[other][1] if other in pending else None
+            if blocks is not None:  # the blocks of loads in flight are disjoint: each gets its own failures
+                reported[other] = (set(report.failed_blocks) & set(blocks), time.monotonic())
+        return rid in reported
+
+    if rid not in reported:
+        try:
+            engine.wait_for(seen, timeout)
+        except Exception as exc:  # noqa: BLE001 - the test reads the reason
+            return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    failed, at = reported.pop(rid)
+    seconds = at - t0
     keys = list(req.block_keys)
     got = engine.read(ids[: len(keys)])
     exact = not failed and bool(torch.equal(got, engine.expected(keys)))
@@ -119,6 +132,7 @@ def main() -> None:
     ap.add_argument("--chunk-bytes", type=int, default=1 << 20)
     ap.add_argument("--forge-head-size", type=int, default=0)
     ap.add_argument("--hang-release", action="store_true")
+    ap.add_argument("--hang-handshake", action="store_true")
     ap.add_argument("--lane", default="auto")
     ap.add_argument("--advertise-host", default="")
     args = ap.parse_args()
@@ -132,6 +146,7 @@ def main() -> None:
                         seed=1, **geometry)  # type: ignore[arg-type]
     server = getattr(engine.worker, "server", None)
     slow = [0.0]
+    unwedge = threading.Event()  # set at quit: a wedged handshake lets the server close
     if server is not None:
         gather, calls = engine.layout.gather, [0]
 
@@ -155,7 +170,16 @@ def main() -> None:
                 threading.Event().wait(120)
 
             server.server._on_release = hang
+        if args.hang_handshake:
+            answer = server.server._on_handshake
+
+            def wedged(peer: Any) -> Any:
+                unwedge.wait(120)
+                return answer(peer)
+
+            server.server._on_handshake = wedged
     pending: dict[str, tuple[Any, list[int], float]] = {}  # rid -> request, its blocks, when its load began
+    reported: dict[str, tuple[set[int], float]] = {}  # rid -> failed blocks and when, reported before its end
     _say({"ready": True, "pid": os.getpid()})
     while True:
         if not select.select([sys.stdin], [], [], 0.01)[0]:
@@ -200,9 +224,10 @@ def main() -> None:
             if op == "begin":
                 _say({"started": n})
         if op == "end" or op == "pull":
-            _say(_end(engine, *pending.pop(cmd["rid"]), float(cmd.get("wait", 30))))
+            _say(_end(engine, *pending.pop(cmd["rid"]), float(cmd.get("wait", 30)), pending, reported))
         elif op == "quit":
             break
+    unwedge.set()
     engine.close()
     _say({"bye": True})
 
