@@ -10,17 +10,18 @@ Per producer address it handshakes once (cached with the endpoint or the one-sid
   buffer — never into the KV, so a late, partial or timed-out chunk never touches a block — scatter it
   (one op per layer); the release follows the load's report.
 
-**Where it runs.** A load from a producer already handshaken on the ``cma`` or ``tcp`` lane starts from the engine's
-step itself (:meth:`Puller.start`): a native thread reads the blocks and then the seal word, and the poll
-that sees it over counts it — no Python thread between the engine and the read, whose two GIL hand-offs cost a
-visible share of a small hand-off (bench case ucx `transfer`, 8 MiB). Everything that waits on the network (a handshake, a ``ucp`` or two-sided load, the
-confirming release when no seal is in place, a failure's clean-up) runs on the worker's IO threads
-(:class:`~kvbridge.lifecycle.Transfers`), a few per producer (:mod:`.slots`), never a healthy one's.
+**Where it runs.** A load from a producer already handshaken on the ``cma`` or ``tcp`` lane starts from the
+engine's step itself (:meth:`Puller.start`): a native thread reads the blocks and then the seal word, and the
+poll that sees it over counts it — no Python thread between the engine and the read, whose two GIL hand-offs
+cost a visible share of a small hand-off (bench case ucx `transfer`, 8 MiB). Everything that waits on the
+network (a handshake, a ``ucp`` or two-sided load, the confirming release when no seal is in place, a
+failure's clean-up) runs on the worker's IO threads, a few per producer (:mod:`.slots`).
 
 Every wait has a deadline. A load's data — a one-sided read with its seal word, a re-sliced load's reads
-from every producer rank, a two-sided pull's status and chunks — must be in by ``timeout_s`` after it
-began, however many bytes keep arriving meanwhile (a link that trickles fails the load as a dead one
-does); the handshake before it has a deadline of its own (the metadata client's). Releases never sit on
+from every producer rank, a two-sided pull's status and chunks — must be in by ``timeout_s`` after the
+engine started it (a wait for an IO thread included), however many bytes keep arriving meanwhile (a link
+that trickles fails the load as a dead one does); the handshake has a deadline of its own (the metadata
+client's). Releases never sit on
 a load's path: they go to the producer's own lane of the :class:`~.releaser.Releaser` (an aborted one at
 once, a finished load's after its report), so a failed load is reported by its deadline however slow the
 link that cut it, and a dead producer's releases (retried until the lease ends) never wait in front of
@@ -78,8 +79,7 @@ class _Peer:
 
 
 def _wait(fut: concurrent.futures.Future[Any], until: float, what: str, producer: str) -> None:
-    """Wait for one posted receive until ``until`` (``time.monotonic()``); every way it can fail becomes a
-    kvbridge error."""
+    """Wait for one posted receive until ``until`` (``time.monotonic()``); any failure, a kvbridge error."""
     try:
         fut.result(max(0.0, until - time.monotonic()))
     except concurrent.futures.TimeoutError:
@@ -182,38 +182,37 @@ class Puller:
             peer.close(self.rt)
 
     # ---- a load ----
-    def load(self, op: BlockLoad) -> set[int]:
-        """Pull ``op``; return the local block ids that did not arrive. Never raises."""
-        src = op.source
+    def load(self, op: BlockLoad, until: float = 0.0) -> set[int]:
+        """Pull ``op`` by ``until`` (``time.monotonic()``; default ``timeout_s`` from now: a load queued for an IO
+        thread counts its deadline from when the engine started it); the local block ids that did not arrive.
+        Never raises."""
+        src, until = op.source, until or time.monotonic() + self.options.timeout_s
         if not isinstance(src, UcxSource):  # not a plan of a ucx scheduler: nothing to pull from
             log.error("%s: load of %s names no ucx source (%r)", self.engine.engine_id, op.request_id, type(src).__name__)
             return set(op.block_ids)
         if src.resliced(self.engine.world_size):
-            return self._read_resliced(op, src)
+            return self._read_resliced(op, src, until)
         address = ""
         try:
+            if time.monotonic() >= until:  # it waited for an IO thread that long: no handshake, no read
+                raise TransferTimeout("the load's deadline passed while it waited for an IO thread")
             address = self._address(src)
             peer = self._peer(address, src)
         except Exception as exc:  # noqa: BLE001 - every failure is a failed block, recomputed by the engine
             self._log_failure(op, src, 0, exc)
             self._release(address, src, ok=False)  # no address: nobody to release to
             return set(op.block_ids)
-        if peer.source is not None:
-            return self._read(address, peer, op, src)
-        return self._pull_two_sided(address, peer, op, src)
+        return (self._read if peer.source is not None else self._pull_two_sided)(address, peer, op, src, until)
 
     def _log_failure(self, op: BlockLoad, src: UcxSource, arrived: int, exc: Exception) -> None:
-        log.log(logging.WARNING if isinstance(exc, KVBridgeError) else logging.ERROR,
-                "%s: pull of %s from %s failed after %d of %d blocks: %s: %s", self.engine.engine_id,
-                op.request_id, src.engine_id, arrived, len(op.block_ids), type(exc).__name__, exc,
-                exc_info=not isinstance(exc, KVBridgeError))
+        known = isinstance(exc, KVBridgeError)
+        log.log(logging.WARNING if known else logging.ERROR, "%s: pull of %s from %s failed after %d of %d blocks: %s: %s",
+                self.engine.engine_id, op.request_id, src.engine_id, arrived, len(op.block_ids), type(exc).__name__, exc,
+                exc_info=not known)
 
     def _release(self, address: str, src: UcxSource, *, ok: bool) -> None:
-        """Tell the producer we are done (``aborted`` unless ``ok``), off the load's path: an aborted release
-        goes to the producer's own lane of the releaser now (the load that failed is reported meanwhile, by
-        its deadline, however slow the link that cut it), a finished pull's once the engine has taken its
-        report (:meth:`release_reported`). A release that cannot get through is retried there until the
-        hand-off's lease ends, which frees the blocks anyway."""
+        """Tell the producer we are done (``aborted`` unless ``ok``), off the load's path (the module docstring):
+        an aborted release now, a finished pull's once the engine has taken its report (:meth:`release_reported`)."""
         if not address or not src.remote_request_id:  # no address: nobody to release to
             return
         if ok:
@@ -263,14 +262,15 @@ class Puller:
             return self._read_failed(address, op, src, peer, PeerUnreachable(f"{lane} read: {read.error}"))
         return self._confirm(address, peer, op, src, t0, until)
 
-    def _read(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource) -> set[int]:
-        """One-sided: read every block straight into the KV, then count them only if the producer confirms
-        it held them throughout (see :mod:`kvbridge.connectors.ucx.onesided`). All or nothing."""
+    def _read(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, until: float) -> set[int]:
+        """One-sided: read every block straight into the KV by ``until`` (the data and the seal word, however
+        they trickle), then count them only if the producer confirms it held them throughout (see
+        :mod:`kvbridge.connectors.ucx.onesided`). All or nothing."""
         assert peer.source is not None
-        t0, timeout = time.perf_counter(), self.options.timeout_s
-        until = time.monotonic() + timeout  # the data and the seal word, whole, however they trickle
-        word = -1
+        t0, timeout, word = time.perf_counter(), until - time.monotonic(), -1
         try:
+            if timeout <= 0:
+                raise TransferTimeout("the load's deadline passed before its read could start")
             if peer.source.lane == "tcp":  # the seal word comes back with the data: no second request
                 batch = self._batch(peer.source, op, src)
                 word = int(onesided.start(peer.source, batch, src.seal, timeout).result()[1])
@@ -316,14 +316,13 @@ class Puller:
         self._count(op, t0, sealed=False, lane=peer.source.medium if peer.source is not None else "")
         return set()
 
-    def _read_resliced(self, op: BlockLoad, src: UcxSource) -> set[int]:
+    def _read_resliced(self, op: BlockLoad, src: UcxSource, until: float) -> set[int]:
         """Another TP size on the producer: read this rank's heads out of every producer rank holding some
         (:func:`~kvbridge.layout.reslice`), one-sided. The bytes count only if each of those ranks still
         holds the hand-off after the read (its seal, else it confirms without releasing); no release here,
         since other ranks of ours may be reading the same producer rank: the scheduler releases every
         producer rank once all of ours report."""
-        t0, sealed, lane = time.perf_counter(), True, ""
-        until = time.monotonic() + self.options.timeout_s  # one deadline for the reads from every rank
+        t0, sealed, lane = time.perf_counter(), True, ""  # one deadline, until, for the reads from every rank
         try:
             theirs, cuts = reslice(self.layout.fingerprint, self.engine.rank, self.engine.world_size, src.ranks)
             for q, cut in cuts.items():
@@ -386,10 +385,10 @@ class Puller:
         return onesided.Batch.join(parts) if parts else onesided.batch(source, self.layout, mine, remote, local)
 
     # ---- two-sided ----
-    def _pull_two_sided(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource) -> set[int]:
+    def _pull_two_sided(self, address: str, peer: _Peer, op: BlockLoad, src: UcxSource, until: float) -> set[int]:
         arrived = [0]  # blocks (from the first) in place so far, also when the pull fails midway
         try:
-            self._pull(peer, op, src, arrived)
+            self._pull(peer, op, src, arrived, until)
         except Exception as exc:  # noqa: BLE001 - every failure is a failed block, recomputed by the engine
             self._log_failure(op, src, arrived[0], exc)
             if isinstance(exc, TransferError):
@@ -423,9 +422,12 @@ class Puller:
             raise ProtocolError(f"producer {src.engine_id} sends {block_bytes}-byte blocks ({total} bytes in all); "
                                 f"ours are {ours} bytes: its layout is not the one it announced")
 
-    def _pull(self, peer: _Peer, op: BlockLoad, src: UcxSource, arrived: list[int]) -> None:
-        """Receive and scatter every chunk, counting the blocks in place in ``arrived[0]``."""
-        layout, timeout = self.layout, self.options.timeout_s
+    def _pull(self, peer: _Peer, op: BlockLoad, src: UcxSource, arrived: list[int], until: float) -> None:
+        """Receive and scatter every chunk by ``until`` (status and every chunk, however they trickle in),
+        counting the blocks in place in ``arrived[0]``."""
+        layout, timeout = self.layout, until - time.monotonic()
+        if timeout <= 0:
+            raise TransferTimeout("the load's deadline passed before its pull could start")
         if src.group_sizes:
             raise ProtocolError("blocks of several KV-cache groups move one-sided only (the two-sided lane "
                                 "sends whole blocks of every layer)")
@@ -435,7 +437,6 @@ class Puller:
         n_chunks = -(-len(remote) // per)
         serial = self.rt.next_serial()
         ep, t0 = peer.ep, time.perf_counter()
-        until = time.monotonic() + timeout  # the whole pull: status and every chunk, however they trickle in
         status = np.zeros(wire.STATUS_BYTES, dtype=np.uint8)
         bufs = [self._staging.take(min(per, len(remote))) for _ in range(min(self.options.max_inflight, n_chunks))]
         futures: dict[int, concurrent.futures.Future[Any]] = {}
@@ -479,10 +480,9 @@ class Puller:
                            lane_two_sided_loads=int(arrived[0] > 0))
 
     def release_reported(self) -> None:
-        """Queue the releases of sealed reads and finished two-sided pulls, once the engine has taken their loads' report (the worker
-        calls this after its poll). Queued from the read itself, the releaser's thread woke and took the GIL
-        just as the engine thread needed it to see the load done (bench case ucx `transfer`, 8 MiB); the engine polls
-        after every load it waits for, so nothing waits longer than its next step."""
+        """Queue the releases of sealed reads and finished two-sided pulls once the engine took their loads' report
+        (the worker calls this after its poll): queued from the read itself, the releaser's thread woke and took
+        the GIL just as the engine thread needed it to see the load done (bench case ucx `transfer`, 8 MiB)."""
         with self._lock:
             done, self._reported = self._reported, []
         for address, src in done:

@@ -9,6 +9,7 @@ leases, which end a producer's holds, come from the server and join the same rep
 from __future__ import annotations
 
 import functools
+import time
 
 from kvbridge.connectors.ucx import hugepages
 from kvbridge.connectors.ucx import runtime as rtmod
@@ -68,8 +69,9 @@ class UcxWorker(WorkerSide):
         for op in plan.loads:
             assert self._puller is not None
             # running already on a native thread where it can (no Python thread between the engine and the
-            # read), else a pull on an IO thread: one handle either way
-            started = self._puller.start(op) or self.transfers.run(op, functools.partial(self._puller.load, op))
+            # read), else a pull on an IO thread, due timeout_s from now however long it waits for one
+            due = time.monotonic() + self.options.timeout_s
+            started = self._puller.start(op) or self.transfers.run(op, functools.partial(self._puller.load, op, due))
             self.transfers.track(started, self._tally)
         self.transfers.hold(plan.held)
 
