@@ -77,8 +77,9 @@ def test_a_negative_send_buffer_is_refused() -> None:
         native.load_core()[0].TcpServer("127.0.0.1", 0, [], b"s" * 32, sndbuf=-1)
 
 
-def test_ranges_outside_the_registered_kv_are_refused() -> None:
-    producer, reader, info = pair(16 * BLOCK)
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "pipes"])
+def test_ranges_outside_the_registered_kv_are_refused(local: bool) -> None:
+    producer, reader, info = pair(16 * BLOCK, local=local)
     try:
         for address in (info["address"] + info["length"] - 8, info["address"] - BLOCK, 4096):
             got = reader.ask(address=address, block=BLOCK, order=[0])
@@ -90,8 +91,9 @@ def test_ranges_outside_the_registered_kv_are_refused() -> None:
         producer.close()
 
 
-def test_a_wrong_secret_is_refused() -> None:
-    producer, reader, info = pair(16 * BLOCK, secret="00" * 32)
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "pipes"])
+def test_a_wrong_secret_is_refused(local: bool) -> None:
+    producer, reader, info = pair(16 * BLOCK, secret="00" * 32, local=local)
     try:
         got = reader.ask(address=info["address"], block=BLOCK, order=[0])
         assert got["error"].startswith("PermissionError") and "secret" in got["error"], got
@@ -102,8 +104,11 @@ def test_a_wrong_secret_is_refused() -> None:
         producer.close()
 
 
-def test_the_seal_word_comes_after_the_data_or_is_zero() -> None:
-    producer, reader, info = pair(64 * BLOCK)
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "pipes"])
+def test_the_seal_word_comes_after_the_data_or_is_zero(local: bool) -> None:
+    """Over TCP the server reads the word after the data is in the socket; through pipes it goes in by
+    reference after the data, so the reader copies it last (tcp_local.c)."""
+    producer, reader, info = pair(64 * BLOCK, local=local)
     try:
         assert producer.ask(op="seal", slot=5, word=0x1234)["ok"]
         slot5 = info["seals"] + 8 * 5

@@ -3,9 +3,10 @@ pages go through pipes by reference, handed over the producer's abstract Unix so
 
 Real processes and sockets throughout: on this host, between two pods (own pid, IPC and mount namespaces,
 one network) and across two emulated hosts, where the socket is not found and TCP carries the load. Every
-read is scattered and compared word by word and by sha256 with the producer's bytes. The seal word follows
-the data; refusals serve nothing; a producer that stops or dies fails the read, never counts it; a consumer
-that drops its pipe mid-request costs the producer a thread, not its process (SIGPIPE), and at once.
+read is scattered and compared word by word and by sha256 with the producer's bytes. A producer that stops
+or dies fails the read, never counts it; a consumer that drops its pipe mid-request costs the producer a
+thread, not its process (SIGPIPE), and at once. Refusals and the seal word over both media:
+tests/test_tcplane.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from kvbridge.connectors.ucx import tcplane
-from tcpkit import BLOCK, TIMEOUT_S, Peer, read_all
+from tcpkit import BLOCK, TIMEOUT_S, Peer, pair, read_all
 
 from kvbridge import native
 from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable
@@ -31,22 +32,9 @@ from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable
 SLACK_S = 1.5  # a loaded machine's lateness past a deadline
 
 
-def _local_pair(nbytes: int, a: Host | None = None, b: Host | None = None, *, streams: int = 4, secret: str = "",
-                sigpipe_default: bool = False) -> tuple[Peer, Peer, dict]:
-    name = f"kvbridge-test-{secrets.token_hex(8)}"
-    extra = ["--sigpipe-default"] if sigpipe_default else []
-    producer = Peer("serve", "--bytes", str(nbytes), "--host", a.address if a else "127.0.0.1", "--timeout",
-                    str(TIMEOUT_S), "--local", name, *extra, host=a)
-    info = producer.line()
-    info["name"] = name
-    reader = Peer("read", "--host", "@" + name, "--secret", secret or info["secret"], "--streams", str(streams),
-                  "--timeout", str(TIMEOUT_S), host=b)
-    return producer, reader, info
-
-
 @pytest.mark.parametrize("streams", [1, 4])
 def test_local_reads_are_bit_exact_and_through_pipes(streams: int) -> None:
-    producer, reader, info = _local_pair(256 * BLOCK, streams=streams)
+    producer, reader, info = pair(256 * BLOCK, streams=streams, local=True)
     try:
         for blocks in (1, 17, 256):  # one stream below 1 MiB, then cut between `streams`; 16 MiB fills the pipes
             assert read_all(producer, reader, info, blocks)["local"] is True
@@ -54,39 +42,6 @@ def test_local_reads_are_bit_exact_and_through_pipes(streams: int) -> None:
         assert refused == 0 and requests >= 3 and conns <= streams and sent == (1 + 17 + 256) * BLOCK
     finally:
         reader.close()
-        producer.close()
-
-
-def test_the_seal_word_follows_the_data_through_the_pipe_or_is_zero() -> None:
-    producer, reader, info = _local_pair(64 * BLOCK)
-    try:
-        slot5 = info["seals"] + 8 * 5
-        assert producer.ask(op="seal", slot=5, word=0x5EA1)["ok"]
-        assert read_all(producer, reader, info, 64, seal=slot5)["word"] == 0x5EA1
-        assert producer.ask(op="seal", slot=5, word=0)["ok"]  # the hold ended: the read must not count
-        assert read_all(producer, reader, info, 64, seal=slot5)["word"] == 0
-        assert read_all(producer, reader, info, 64, seal=slot5 + 3)["word"] == 0  # not a word of the table
-        assert read_all(producer, reader, info, 64, seal=info["address"])["word"] == 0  # KV, not the table
-    finally:
-        reader.close()
-        producer.close()
-
-
-def test_refusals_over_the_local_socket_serve_nothing() -> None:
-    producer, reader, info = _local_pair(16 * BLOCK, secret="00" * 32)
-    try:
-        got = reader.ask(address=info["address"], block=BLOCK, order=[0])
-        assert got["error"].startswith("PermissionError") and "secret" in got["error"], got
-        assert producer.ask(op="stats")["stats"][1:] == [0, 0, 1]  # no request, no byte, one refusal
-    finally:
-        reader.close()
-    good = Peer("read", "--host", "@" + info["name"], "--secret", info["secret"], "--timeout", str(TIMEOUT_S))
-    try:
-        got = good.ask(address=info["address"] + info["length"] - 8, block=BLOCK, order=[0])
-        assert "refused ranges outside" in got["error"] and got["errno"] == errno.EFAULT, got
-        read_all(producer, good, info, 16)  # the refusal closed that connection only
-    finally:
-        good.close()
         producer.close()
 
 
@@ -105,7 +60,7 @@ def _reachable_from(host: Host, name: str) -> bool:
 
 def test_between_pods_the_kv_goes_through_pipes_bit_exact() -> None:
     with _pods() as (a, b):
-        producer, reader, info = _local_pair(512 * BLOCK, a, b)
+        producer, reader, info = pair(512 * BLOCK, a, b, local=True)
         try:
             assert _reachable_from(b, info["name"])  # one network namespace: its abstract sockets cross
             assert producer.ask(op="seal", slot=2, word=42)["ok"]
@@ -119,7 +74,7 @@ def test_between_pods_the_kv_goes_through_pipes_bit_exact() -> None:
 
 def test_across_hosts_the_local_socket_is_not_found_and_tcp_carries_it(hosts: list[Host]) -> None:
     a, b = hosts
-    producer, reader, info = _local_pair(64 * BLOCK, a, b)
+    producer, reader, info = pair(64 * BLOCK, a, b, local=True)
     try:
         assert _reachable_from(a, info["name"]) and not _reachable_from(b, info["name"])
         got = reader.ask(address=info["address"], block=BLOCK, order=[0])  # dialled anyway: refused at once
@@ -135,7 +90,7 @@ def test_across_hosts_the_local_socket_is_not_found_and_tcp_carries_it(hosts: li
 
 
 def test_a_producer_that_stops_fails_the_read_by_its_deadline_and_a_dead_one_at_once() -> None:
-    producer, reader, info = _local_pair(256 * BLOCK)
+    producer, reader, info = pair(256 * BLOCK, local=True)
     try:
         read_all(producer, reader, info, 256)  # connected, pipes handed over
         os.kill(producer.proc.pid, signal.SIGSTOP)
@@ -166,7 +121,7 @@ def _hello(name: str, secret: bytes) -> tuple[socket.socket, int]:
 def test_a_consumer_that_drops_its_pipe_costs_the_producer_a_thread_not_its_process() -> None:
     """SIGPIPE's default action kills; the producer's vmsplice into a pipe nobody reads must not: the server
     blocks it in its threads. The serving thread ends with the connection, well before the deadline."""
-    producer, reader, info = _local_pair(256 * BLOCK, sigpipe_default=True)
+    producer, reader, info = pair(256 * BLOCK, local=True, sigpipe_default=True)
     reader.close()
     sock, pipe = _hello(info["name"], bytes.fromhex(info["secret"]))
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import secrets
 import subprocess
 import sys
 import threading
@@ -54,13 +55,19 @@ class Peer:
         self.proc.wait(10)
 
 
-def pair(nbytes: int, a: Host | None = None, b: Host | None = None, **kw: Any) -> tuple[Peer, Peer, dict[str, Any]]:
+def pair(nbytes: int, a: Host | None = None, b: Host | None = None, *, local: bool = False, sigpipe_default: bool = False,
+         **kw: Any) -> tuple[Peer, Peer, dict[str, Any]]:
+    """A producer (on ``a``, else here) and a reader (on ``b``) of ``nbytes``; ``local``: the producer also serves
+    the local medium (its name in ``info["name"]``) and the reader dials that, its data through pipes."""
     host = a.address if a is not None else "127.0.0.1"
+    name = f"kvbridge-test-{secrets.token_hex(8)}" if local else ""
+    extra = [*(["--local", name] if local else []), *(["--sigpipe-default"] if sigpipe_default else [])]
     producer = Peer("serve", "--bytes", str(nbytes), "--host", host, "--timeout", str(TIMEOUT_S),
-                    "--sndbuf", str(kw.get("sndbuf", 0)), host=a)
-    info = producer.line()
-    reader = Peer("read", "--host", host, "--port", str(info["port"]), "--secret", kw.get("secret", info["secret"]),
-                  "--streams", str(kw.get("streams", 4)), "--timeout", str(TIMEOUT_S), host=b)
+                    "--sndbuf", str(kw.get("sndbuf", 0)), *extra, host=a)
+    info = {**producer.line(), "name": name}
+    reader = Peer("read", "--host", "@" + name if local else host, "--port", str(info["port"]), "--secret",
+                  kw.get("secret", info["secret"]), "--streams", str(kw.get("streams", 4)), "--timeout", str(TIMEOUT_S),
+                  host=b)
     return producer, reader, info
 
 
