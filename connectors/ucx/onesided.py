@@ -15,11 +15,11 @@ step and count it at its next poll. No staging copy, and the producer's Python d
 - ``cma`` — same host: ``process_vm_readv`` straight from the producer's memory (a dead producer is an
   ``OSError``, never an abort). The probe decides: the consumer reads a random nonce at an address the
   producer named, which proves same host, same pid namespace, permission, and the right process.
-- ``tcp`` — kvbridge's own TCP streams (:mod:`.tcplane`), C threads on both ends: host-memory KV between hosts.
+- ``tcp`` — kvbridge's own streams (:mod:`.tcplane`), C threads on both ends: host-memory KV between hosts
+  (TCP), or through pipes by reference where both share a network namespace.
 - ``ucp`` — UCX RMA GET with *peer error handling* (a dead peer is an error): RDMA, CUDA memory, TCP where asked for.
-- ``ucp-unsafe`` — UCX GET with error handling off, which lets UCX choose cma itself. A producer killed
-  mid-read can then abort the consumer (UCX 1.21) or complete the read "OK" with wrong bytes (1.22):
-  documented opt-in only.
+- ``ucp-unsafe`` — error handling off, so UCX may choose cma itself: a producer killed mid-read can abort the
+  consumer (UCX 1.21) or end the read "OK" with wrong bytes (1.22). Documented opt-in only.
 
 **When bytes count as loaded.** A one-sided reader cannot see the producer free or reuse a block. So a
 read counts only after the producer confirms, in the release, that it *held* the request from the
@@ -36,18 +36,16 @@ word)``, chosen by the producer's scheduler (word random and nonzero, covered by
 worker keeps a table of words (:class:`Seals`, exported with the KV): it writes ``word`` at ``slot`` when
 its plan names the hold, and clears it when the hold ends (release, lease over) — before reporting the
 request, so before the engine can free its blocks. After reading the data the consumer reads that word
-(``cma``: a second ``process_vm_readv``; ``ucp``: one 8-byte GET of the table, which the producer
-registers beside its KV, posted once the data's GETs completed): equal means the hold had not ended when the read was over, so the
-blocks were held throughout (a hold never comes back once ended), and the bytes count at once; the
-release then goes off the load's path. Anything else (the worker has not learnt the hold yet, a newer
-hold took the slot, a producer that registered no table) falls back to the confirming release above. The seal only saves a
-round trip; the answer is the same.
+(``cma``: a second ``process_vm_readv``; ``ucp``: one 8-byte GET of the table, registered beside the KV,
+once the data's GETs completed): equal means the hold had not ended when the read was over, so the blocks
+were held throughout (a hold never comes back once ended): the bytes count at once, the release goes off
+the load's path. Anything else (the worker has not learnt the hold yet, a newer hold took the slot, no
+table) falls back to the confirming release above: the seal saves a round trip, the answer is the same.
 
-**Trust.** UCX traffic is neither authenticated nor encrypted. Whoever holds the rkeys (``ucp``) can read
-the producer's whole registered KV cache — every request's blocks, not only the ones handed off —
-until the producer exits; ``cma`` needs no key but the same uid (it reads the producer's memory like a
-debugger). The producer gives rkeys only in a handshake that passed the metadata plane's token (and
-TLS when configured) and named a request its own scheduler handed off (a valid grant).
+**Trust.** UCX traffic is neither authenticated nor encrypted. Whoever holds the rkeys (``ucp``) can read the
+producer's whole registered KV — every request's blocks — until it exits; ``cma`` needs no key but the same
+uid. The producer gives rkeys only in a handshake that passed the metadata plane's token (and TLS when
+configured) and named a request its own scheduler handed off (a valid grant).
 """
 
 from __future__ import annotations
@@ -79,8 +77,7 @@ log = logging.getLogger(__name__)
 
 LANES = ("auto", "cma", "tcp", "ucp", "ucp-unsafe", "two-sided")
 STARTED = ("cma", "tcp")  # lanes whose reads start on native threads and bring the seal word with the data
-# handshake transport keys (PeerInfo.transport)
-ASK = "ucx1s_ask"  # consumer: request id + grant of the load that asks for one-sided access
+ASK = "ucx1s_ask"  # handshake transport keys (PeerInfo.transport); this one: the asking load's request id + grant
 PID, PROBE, ADDRESSING, WORKER, RKEYS, MEMORY, BLOCKS = ("ucx1s_pid", "ucx1s_probe", "ucx1s_addressing", "ucx1s_worker",
                                                           "ucx1s_rkeys", "ucx1s_memory", "ucx1s_blocks")
 SEALS = "ucx1s_seals"  # "<address>:<slots>" of the producer's seal table
@@ -199,8 +196,7 @@ def _memory_type(layout: KVLayout) -> str:
 
 # ---- producer --------------------------------------------------------------------------------------------
 class Seals:
-    """A producer worker's seal table (see the module docstring). Aligned 8-byte stores: a reader in
-    another process sees a word whole, old or new."""
+    """A producer worker's seal table (the module docstring); aligned 8-byte stores: a reader sees a word whole."""
 
     def __init__(self) -> None:
         self.words = np.zeros(SEAL_SLOTS, dtype=np.uint64)
@@ -264,9 +260,7 @@ class Exporter:
         return out
 
     def close(self) -> None:
-        # no seal stands from now: a read the tcp lane's pipes still hold references for (tcplane: the local
-        # medium), or a cma read under way, copies its seal word last and finds it cleared
-        self.seals.words[:] = 0
+        self.seals.words[:] = 0  # a read whose pages a pipe still holds (tcplane) copies its seal word last: 0
         if self.tcp is not None:  # its threads read the KV: they end before the KV can go
             self.tcp.close()
             self.tcp = None
@@ -292,8 +286,7 @@ class Source:
     tcp: Any = None  # kvbridge._core.TcpSource (tcp)
 
     @property
-    def medium(self) -> str:
-        """The lane, and for ``tcp`` what its streams cross: ``tcp-local`` through pipes (:mod:`.tcplane`)."""
+    def medium(self) -> str:  # the lane, and ``tcp-local`` for a tcp lane through pipes (:mod:`.tcplane`)
         return "tcp-local" if self.lane == "tcp" and tcplane.is_local(self.tcp) else self.lane
 
     def close(self) -> None:
@@ -301,7 +294,8 @@ class Source:
             self.tcp.close()
             self.tcp = None
         if self.ep is not None:
-            with contextlib.suppress(ValueError):  # its context closed first (at exit)
+            # its context closed first (at exit), or reads still in flight: it goes with its last reference
+            with contextlib.suppress(ValueError, RuntimeError):
                 self.ep.close(force=True)
             self.ep = None
 
@@ -388,13 +382,9 @@ def _probe(pid: int, probe: bytes) -> bool:
 
 
 def seal_address(src: Source, seal: Seal) -> int:
-    """Where ``seal``'s word lies in the producer (its seal table's slot), or 0 when it cannot be read
-    there (no table, a slot out of range, no seal): then the release must confirm."""
-    address, slots = src.seals
-    slot, word = seal
-    if not address or not 0 <= slot < slots or not word:
-        return 0
-    return address + 8 * slot
+    """Where ``seal``'s word lies in the producer, or 0 (no table, a slot out of range, no seal: the release confirms)."""
+    (address, slots), (slot, word) = src.seals, seal
+    return address + 8 * slot if address and 0 <= slot < slots and word else 0
 
 
 def sealed(src: Source, seal: Seal, timeout_s: float = 1.0) -> bool:
