@@ -86,6 +86,11 @@ KVB_INTERNAL int tcp_sendv(int fd, struct iovec *iov, int n, double until);
 KVB_INTERNAL int tcp_recvv(int fd, struct iovec *iov, int n, double until);
 KVB_INTERNAL int tcp_send_all(int fd, const void *buf, size_t len, double until);
 KVB_INTERNAL int tcp_recv_all(int fd, void *buf, size_t len, double until);
+/* Past the first `moved` bytes of iov[*first..n): *first moves on over whole entries, the next one is cut
+ * (no entry is copied: a load's thousands of descriptors are walked once, not once per call). */
+KVB_INTERNAL void tcp_iov_skip(struct iovec *iov, int n, int *first, size_t moved);
+/* How many entries of iov[0..n) one call offers: up to `most` bytes (at least one entry), at most IOV_MAX. */
+KVB_INTERNAL int tcp_iov_offer(const struct iovec *iov, int n, size_t most);
 /* A connected TCP socket to a numeric address (no name lookup: it could block without a deadline) by the
  * deadline `until`, TCP_NODELAY set, blocking (its calls bounded as above); or -1 with *err set. */
 KVB_INTERNAL int tcp_connect(const struct sockaddr *addr, socklen_t addrlen, double until, int *err);

@@ -33,15 +33,20 @@ int tcp_wait(int fd, short events, double until) {
     }
 }
 
-/* Past the first `moved` bytes of iov[*first..n): *first moves on over whole entries, the next one is cut
- * (no entry is copied: a load's thousands of descriptors are walked once, not once per call). */
-static void iov_skip(struct iovec *iov, int n, int *first, size_t moved) {
+void tcp_iov_skip(struct iovec *iov, int n, int *first, size_t moved) {
     while (*first < n && moved >= iov[*first].iov_len) moved -= iov[(*first)++].iov_len;
     if (*first < n && moved) {
         iov[*first].iov_base = (char *)iov[*first].iov_base + moved;
         iov[*first].iov_len -= moved;
     }
     while (*first < n && iov[*first].iov_len == 0) (*first)++; /* a recvmsg of nothing reads as the peer's close */
+}
+
+int tcp_iov_offer(const struct iovec *iov, int n, size_t most) {
+    size_t offered = 0;
+    int k = 0;
+    while (k < n && k < IOV_MAX && offered < most) offered += iov[k++].iov_len;
+    return k;
 }
 
 /* Bytes one call is offered, at most: more than a socket buffer holds (the kernel's auto-tuned ones reach a
@@ -64,7 +69,7 @@ static int bound_call(int fd, int sending, double left) {
  * at it. */
 static int move_all(int fd, struct iovec *iov, int n, double until, int sending) {
     int blocking = !(fcntl(fd, F_GETFL) & O_NONBLOCK), first = 0;
-    iov_skip(iov, n, &first, 0);
+    tcp_iov_skip(iov, n, &first, 0);
     while (first < n) {
         double left = until - tcp_now();
         if (left <= 0) return ETIMEDOUT;
@@ -72,9 +77,7 @@ static int move_all(int fd, struct iovec *iov, int n, double until, int sending)
             int err = bound_call(fd, sending, left);
             if (err) return err;
         }
-        size_t offered = 0;
-        int k = 0;
-        while (first + k < n && k < IOV_MAX && offered < CALL_BYTES) offered += iov[first + k++].iov_len;
+        int k = tcp_iov_offer(iov + first, n - first, CALL_BYTES);
         struct msghdr m;
         memset(&m, 0, sizeof(m));
         m.msg_iov = iov + first;
@@ -82,7 +85,7 @@ static int move_all(int fd, struct iovec *iov, int n, double until, int sending)
         int flags = blocking ? 0 : MSG_DONTWAIT;
         ssize_t r = sending ? sendmsg(fd, &m, flags | MSG_NOSIGNAL) : recvmsg(fd, &m, flags);
         if (r > 0) {
-            iov_skip(iov, n, &first, (size_t)r);
+            tcp_iov_skip(iov, n, &first, (size_t)r);
             continue;
         }
         if (r == 0) return ECONNRESET; /* the peer closed (or a sibling shut this socket down) mid-message */

@@ -158,26 +158,18 @@ enum { PIPE_READ, PIPE_SPLICE, PIPE_WRITE }; /* readv out of it; vmsplice (refer
 
 static int pipe_move(int pipe, int sock, struct iovec *iov, int n, double until, int how) {
     int first = 0;
-    while (first < n && iov[first].iov_len == 0) first++;
+    tcp_iov_skip(iov, n, &first, 0);
     while (first < n) {
         if (tcp_now() >= until) return ETIMEDOUT;
         /* at most a pipe's worth of entries a call: the kernel imports and checks every entry offered, and a
          * call moves no more than the pipe holds (bench case: benches/tcp_lane_probe.py, rows lscat:4 and
          * lone:4, scattered pieces against the same bytes as one entry) */
-        size_t offered = 0;
-        int k = 0;
-        while (first + k < n && k < IOV_MAX && offered < TCP_PIPE_BYTES) offered += iov[first + k++].iov_len;
+        int k = tcp_iov_offer(iov + first, n - first, TCP_PIPE_BYTES);
         ssize_t r = how == PIPE_SPLICE  ? vmsplice(pipe, iov + first, (unsigned long)k, SPLICE_F_NONBLOCK)
                     : how == PIPE_WRITE ? writev(pipe, iov + first, k)
                                         : readv(pipe, iov + first, k);
         if (r > 0) {
-            size_t moved = (size_t)r;
-            while (first < n && moved >= iov[first].iov_len) moved -= iov[first++].iov_len;
-            if (first < n && moved) {
-                iov[first].iov_base = (char *)iov[first].iov_base + moved;
-                iov[first].iov_len -= moved;
-            }
-            while (first < n && iov[first].iov_len == 0) first++;
+            tcp_iov_skip(iov, n, &first, (size_t)r);
             continue;
         }
         if (r == 0) return ECONNRESET; /* the server closed its end mid-message */
