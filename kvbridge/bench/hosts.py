@@ -131,19 +131,14 @@ def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: floa
 
 
 def _ctcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S,
-          sndbuf: int = 0) -> list[float]:
-    exe = rawtcp.binary()
-    evict_bytes = 0 if not cold.evicting() else 2 * cold.llc_bytes()
-    return _pair(a, b, "ctcp", [exe, "send", str(nbytes), str(streams), str(sndbuf)],
-                 lambda port: [exe, "recv", a.address, str(port), str(nbytes), str(streams), str(reps), str(evict_bytes)],
-                 timeout_s, python=False)
-
-
-def _pipe(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
+          sndbuf: int = 0, pipes: bool = False) -> list[float]:
+    """rawtcp over TCP (``sndbuf``: each send buffer's cap, 0 the kernel's), or through pipes handed over an
+    abstract Unix socket (``pipes``: rows ``pipe:N``)."""
     exe, name = rawtcp.binary(), f"@kvbridge-bench-{os.getpid()}-{time.monotonic_ns()}"
     evict_bytes = 0 if not cold.evicting() else 2 * cold.llc_bytes()
-    return _pair(a, b, "pipe", [exe, "send", str(nbytes), str(streams), name],
-                 lambda _: [exe, "recv", name, "0", str(nbytes), str(streams), str(reps), str(evict_bytes)],
+    return _pair(a, b, "pipe" if pipes else "ctcp", [exe, "send", str(nbytes), str(streams), name if pipes else str(sndbuf)],
+                 lambda port: [exe, "recv", name if pipes else a.address, str(port), str(nbytes), str(streams), str(reps),
+                               str(evict_bytes)],
                  timeout_s, python=False)
 
 
@@ -159,7 +154,7 @@ def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: 
     if row.startswith("ctcp-sndbuf:"):
         return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s, sndbuf=tcplane.SNDBUF)
     if row.startswith("pipe:"):
-        return _pipe(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s)
+        return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s, pipes=True)
     name = _PEER_ROWS[row]
     why = peers.PEERS[name].missing()
     if why:
