@@ -481,6 +481,8 @@ def start(src: Source, todo: Batch, seal: Seal, timeout_s: float | None = None) 
     over ``timeout_s`` after this call, default its source's). Nothing waits here; see :meth:`Puller.start`."""
     mod, _ = native.load_core()
     assert mod is not None and src.lane in STARTED
+    if timeout_s is not None and timeout_s <= 0:  # as read() says it: not the native call's ValueError
+        raise TransferTimeout("the load's deadline passed before its read could start")
     _drain_at_exit(mod)
     if src.lane == "tcp":
         return src.tcp.start(todo.remote, todo.local, todo.lengths, seal_address(src, seal), timeout_s)
