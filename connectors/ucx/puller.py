@@ -19,10 +19,9 @@ failure's clean-up) runs on the worker's IO threads, a few per producer (:mod:`.
 
 Every wait has a deadline. A load's data — a one-sided read with its seal word, a re-sliced load's reads
 from every producer rank, a two-sided pull's status and chunks — must be in by ``timeout_s`` after the
-engine started it (a wait for an IO thread included), however many bytes keep arriving meanwhile (a link
-that trickles fails the load as a dead one does); the handshake has a deadline of its own (the metadata
-client's). Releases never sit on
-a load's path: they go to the producer's own lane of the :class:`~.releaser.Releaser` (an aborted one at
+engine started it (a wait for an IO thread or for another load's handshake included), however many bytes
+keep arriving meanwhile (a link that trickles fails the load as a dead one does); so must its handshake.
+Releases never sit on a load's path: they go to the producer's own lane of the :class:`~.releaser.Releaser` (an aborted one at
 once, a finished load's after its report), so a failed load is reported by its deadline however slow the
 link that cut it, and a dead producer's releases (retried until the lease ends) never wait in front of
 a healthy one's. A dead, unreachable, refusing or too slow producer ends the load with its missing blocks
@@ -124,12 +123,17 @@ class Puller:
         except ProtocolError:
             return ""
 
-    def _peer(self, address: str, src: UcxSource, resliced: tuple[LayoutFingerprint, Cut] | None = None) -> _Peer:
+    def _peer(self, address: str, src: UcxSource, until: float,
+              resliced: tuple[LayoutFingerprint, Cut] | None = None) -> _Peer:
+        """The handshaken peer at ``address``, handshaking (by the load's deadline ``until``) if none is."""
         with self._lock:
             lock = self._peer_locks[address]
         asked = time.monotonic()
-        with lock:  # one handshake per producer, even with many loads starting at once
-            peer = self._peers.get(address)
+        if not lock.acquire(timeout=max(0.0, until - asked)):  # one handshake per producer, loads wait for it
+            raise TransferTimeout(f"the load's deadline passed while another load handshook with {address}")
+        try:
+            with self._lock:
+                peer = self._peers.get(address)
             if peer is not None:
                 return peer
             when, why = self._refused.get(address, (0.0, ""))
@@ -137,18 +141,22 @@ class Puller:
                 raise PeerUnreachable(f"the handshake with {address} failed meanwhile: {why}")
             client = MetadataClient(address, token=self.options.token, timeout=self.options.timeout_s / 2, retries=1)
             try:
-                peer = self._handshake(client, src, resliced)
+                peer = self._handshake(client, src, resliced, until)
             except BaseException as exc:
                 client.close()
                 self._refused[address] = (time.monotonic(), f"{type(exc).__name__}: {exc}")
                 raise
             self._refused.pop(address, None)
-            self._peers[address] = peer
+            with self._lock:
+                self._peers[address] = peer
             if peer.source is not None:  # its sealed reads' releases go through the releaser
                 self._releaser.prepare(address)
             return peer
+        finally:
+            lock.release()
 
-    def _handshake(self, client: MetadataClient, src: UcxSource, resliced: tuple[LayoutFingerprint, Cut] | None) -> _Peer:
+    def _handshake(self, client: MetadataClient, src: UcxSource, resliced: tuple[LayoutFingerprint, Cut] | None,
+                   until: float) -> _Peer:
         lane = self.options.lane
         mod, why = onesided.available() if lane != "two-sided" else (False, "lane='two-sided'")
         if not mod and lane != "auto" and lane != "two-sided":
@@ -158,27 +166,27 @@ class Puller:
                 raise PeerUnreachable(f"re-slicing KV across TP sizes needs a one-sided lane: {why}")
             theirs_fp, cut = resliced
             ask = onesided.encode_ask(src.remote_request_id, src.grant)
-            theirs = client.handshake(PeerInfo(self.info.engine_id, self.info.rank, theirs_fp, {onesided.ASK: ask}))
+            theirs = client.handshake(PeerInfo(self.info.engine_id, self.info.rank, theirs_fp, {onesided.ASK: ask}), until)
             source = onesided.open_source(theirs, self.layout, lane, self.options.ucx_tls, cut, self.options.tcp)
             if source is None:
                 raise ProtocolError(f"producer {theirs.engine_id} offers no one-sided access, which re-slicing needs")
             return _Peer(client, theirs, source=source)
         if mod:  # ask for one-sided access, naming the hand-off that entitles us to it
             ask = onesided.encode_ask(src.remote_request_id, src.grant)
-            theirs = client.handshake(dataclasses.replace(self.info, transport={onesided.ASK: ask}))
+            theirs = client.handshake(dataclasses.replace(self.info, transport={onesided.ASK: ask}), until)
             source = onesided.open_source(theirs, self.layout, lane, self.options.ucx_tls, tcp=self.options.tcp)
             if source is not None:
                 return _Peer(client, theirs, source=source)
-        theirs = client.handshake(self.info)
-        ep = self.rt.call(self.rt.connect(theirs.transport[wire.WORKER_ADDRESS]), self.options.timeout_s)
+        theirs = client.handshake(self.info, until)
+        ep = self.rt.call(self.rt.connect(theirs.transport[wire.WORKER_ADDRESS]), max(0.01, until - time.monotonic()))
         return _Peer(client, theirs, ep=ep)
 
-    def _drop(self, address: str) -> None:
+    def _drop(self, address: str, peer: _Peer) -> None:
+        """Forget ``peer`` (failed, or its producer restarted): the next load handshakes anew. Never waits for
+        a handshake under way: a failed load is reported by its deadline (test_hosts_slots.py)."""
         with self._lock:
-            lock = self._peer_locks[address]
-        with lock:
-            peer = self._peers.pop(address, None)
-        if peer is not None:
+            mine = self._peers.get(address) is peer and self._peers.pop(address) is peer
+        if mine:  # the first of its failed loads closes it
             peer.close(self.rt)
 
     # ---- a load ----
@@ -197,7 +205,7 @@ class Puller:
             if time.monotonic() >= until:  # it waited for an IO thread that long: no handshake, no read
                 raise TransferTimeout("the load's deadline passed while it waited for an IO thread")
             address = self._address(src)
-            peer = self._peer(address, src)
+            peer = self._peer(address, src, until)
         except Exception as exc:  # noqa: BLE001 - every failure is a failed block, recomputed by the engine
             self._log_failure(op, src, 0, exc)
             self._release(address, src, ok=False)  # no address: nobody to release to
@@ -291,7 +299,7 @@ class Puller:
         lane = peer.source.lane if peer.source is not None else "?"
         log.warning("%s: one-sided read of %s from %s (%s) failed: %s: %s", self.engine.engine_id, op.request_id,
                     src.engine_id, lane, type(exc).__name__, exc)
-        self._drop(address)  # a dead or restarted producer: handshake anew next time
+        self._drop(address, peer)  # a dead or restarted producer: handshake anew next time
         self._release(address, src, ok=False)
         return set(op.block_ids)
 
@@ -305,7 +313,7 @@ class Puller:
         except KVBridgeError as exc:
             log.warning("%s: producer %s did not confirm %s after the read: %s", self.engine.engine_id,
                         src.engine_id, rid, exc)
-            self._drop(address)
+            self._drop(address, peer)
             self._release(address, src, ok=False)
         if not held:
             log.warning("%s: producer %s no longer held %s when the read ended: %d blocks not counted",
@@ -325,14 +333,14 @@ class Puller:
             theirs, cuts = reslice(self.layout.fingerprint, self.engine.rank, self.engine.world_size, src.ranks)
             for q, cut in cuts.items():
                 address = src.addresses[q]
-                peer = self._peer(address, src, (theirs, cut))
+                peer = self._peer(address, src, until, (theirs, cut))
                 assert peer.source is not None
                 lane = peer.source.medium
                 try:
                     self._read_blocks(peer.source, op, src, self.addressing.narrowed(cut.dst, cut.length),
                                       until - time.monotonic())
                 except BaseException:
-                    self._drop(address)  # a dead or restarted producer: handshake anew next time
+                    self._drop(address, peer)  # a dead or restarted producer: handshake anew next time
                     raise
                 if onesided.sealed(peer.source, src.seal, until - time.monotonic()):
                     continue
@@ -390,7 +398,7 @@ class Puller:
         except Exception as exc:  # noqa: BLE001 - every failure is a failed block, recomputed by the engine
             self._log_failure(op, src, arrived[0], exc)
             if isinstance(exc, TransferError):
-                self._drop(address)  # a timed-out endpoint may hold stale state: handshake anew next time
+                self._drop(address, peer)  # a timed-out endpoint may hold stale state: handshake anew next time
         finally:
             self._release(address, src, ok=arrived[0] == len(op.block_ids))
         return set(op.block_ids[arrived[0]:])
@@ -407,18 +415,6 @@ class Puller:
         if not is_id(self.engine.engine_id) or not is_id(src.remote_request_id):
             raise ProtocolError(f"engine and request ids must be 1 to {wire.MAX_ID_BYTES} bytes of utf-8")
         return remote
-
-    def _check_status(self, status: np.ndarray, src: UcxSource, n_chunks: int, n_blocks: int) -> None:
-        """The producer's answer must accept the pull and announce our chunks and our block size."""
-        code, chunks, block_bytes, total, reason = wire.read_status(status)
-        if code != wire.OK:
-            raise ProtocolError(f"producer {src.engine_id} refused the pull: {reason}")
-        if chunks != n_chunks:
-            raise ProtocolError(f"producer announced {chunks} chunks, expected {n_chunks}")
-        ours = self.layout.num_layers * self.layout.block_bytes
-        if block_bytes != ours or total != ours * n_blocks:  # a short chunk would arrive without an error
-            raise ProtocolError(f"producer {src.engine_id} sends {block_bytes}-byte blocks ({total} bytes in all); "
-                                f"ours are {ours} bytes: its layout is not the one it announced")
 
     def _pull(self, peer: _Peer, op: BlockLoad, src: UcxSource, arrived: list[int], until: float) -> None:
         """Receive and scatter every chunk by ``until`` (status and every chunk, however they trickle in),
@@ -455,7 +451,7 @@ class Puller:
             except rtmod.ucx.exceptions.UCXError as exc:  # e.g. the producer died since the handshake
                 raise PeerUnreachable(f"pull to {src.engine_id}: {exc}") from None
             _wait(status_fut, until, "status", src.engine_id)
-            self._check_status(status, src, n_chunks, len(remote))
+            wire.check_status(status, src.engine_id, n_chunks, layout.num_layers * layout.block_bytes, len(remote))
             for i in range(n_chunks):
                 _wait(futures.pop(i), until, f"chunk {i + 1}/{n_chunks}", src.engine_id)
                 n = min(per, len(remote) - i * per)

@@ -94,7 +94,20 @@ def read_status(buf: np.ndarray) -> tuple[int, int, int, int, str]:
     return code, n_chunks, block_bytes, total, bytes(buf[_STATUS.size:_STATUS.size + n]).decode(errors="replace")
 
 
+def check_status(buf: np.ndarray, producer: str, n_chunks: int, block_bytes: int, n_blocks: int) -> None:
+    """The producer's answer to a pull must accept it and announce ``n_chunks`` chunks of ``n_blocks`` blocks
+    of ``block_bytes`` each: a short chunk would arrive without an error."""
+    code, chunks, theirs, total, reason = read_status(buf)
+    if code != OK:
+        raise ProtocolError(f"producer {producer} refused the pull: {reason}")
+    if chunks != n_chunks:
+        raise ProtocolError(f"producer announced {chunks} chunks, expected {n_chunks}")
+    if theirs != block_bytes or total != block_bytes * n_blocks:
+        raise ProtocolError(f"producer {producer} sends {theirs}-byte blocks ({total} bytes in all); "
+                            f"ours are {block_bytes} bytes: its layout is not the one it announced")
+
+
 __all__ = [
     "CONTROL_BYTES", "CONTROL_TAG", "MAX_BLOCK_ID", "MAX_ID_BYTES", "MAX_PULL_IDS", "OK", "REFUSED", "STATUS_BYTES",
-    "STOP_MESSAGE", "WORKER_ADDRESS", "Pull", "Stop", "read_status", "status",
+    "STOP_MESSAGE", "WORKER_ADDRESS", "Pull", "Stop", "check_status", "read_status", "status",
 ]

@@ -77,9 +77,11 @@ class MetadataClient:
         self._closed = False
 
     # ---- the protocol ---------------------------------------------------------------------------
-    def handshake(self, info: PeerInfo) -> PeerInfo:
-        """Send our :class:`PeerInfo`, return the server's; refuse an incompatible answer ourselves too."""
-        reply = self._call("Handshake", self._peer.Handshake, pb.HandshakeRequest(peer=wire.peer_to_pb(info)))
+    def handshake(self, info: PeerInfo, until: float | None = None) -> PeerInfo:
+        """Send our :class:`PeerInfo`, return the server's; refuse an incompatible answer ourselves too.
+        ``until`` as for :meth:`release`."""
+        reply = self._call("Handshake", self._peer.Handshake, pb.HandshakeRequest(peer=wire.peer_to_pb(info)),
+                           until=until)
         try:
             theirs = wire.peer_from_pb(reply.peer)
         except wire.Invalid as exc:

@@ -44,6 +44,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import select
 import sys
@@ -119,6 +120,8 @@ def _say(obj: Any) -> None:
 
 
 def main() -> None:
+    # when each failure was seen, and on which thread: what a test's timing bound needs to be explained
+    logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)d ms %(threadName)s %(name)s: %(message)s")
     ap = argparse.ArgumentParser()
     ap.add_argument("role", choices=["producer", "consumer"])
     ap.add_argument("out", type=Path)
