@@ -28,7 +28,7 @@ fi
 # two pods on one node (one network, their own pid and IPC namespaces): the lane against the raw media that cross
 # (plain TCP, and pipes handed over a Unix socket: the tcp lane's local medium)
 if [[ $parts == *" pods "* && $(id -u) == 0 ]]; then
-  kvbridge bench hosts --pods --json pods.json --tokens 1024,256 --rows kvbridge,kvbridge-ucp,tcp:4,ctcp:1,ctcp:4,ctcp-sndbuf:4,pipe:4,cma \
+  kvbridge bench hosts --pods --json pods.json --tokens 1024,256 --rows kvbridge,kvbridge-ucp,tcp:4,ctcp:1,ctcp:4,ctcp-sndbuf:4,pipe:4,pipe:4/scat,cma \
     --reps 3 --rounds 3 | tee pods.txt
 fi
 # kvbridge's lane against plain TCP, NIXL and Mooncake: those of them the hosts run measured

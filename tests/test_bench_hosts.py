@@ -32,7 +32,7 @@ def test_the_pipe_row_crosses_between_pods_and_not_between_hosts() -> None:
     why = unavailable()
     if why:
         pytest.skip(why)
-    rows = ["kvbridge", "pipe:2", "ctcp-sndbuf:2"]
+    rows = ["kvbridge", "pipe:2", "ctcp-sndbuf:2", "pipe:2/scat"]
     records = bench_hosts.run([32], [], rows, reps=1, rounds=1, shape="tiny", pods=True)
     for rec in records:
         assert rec["cap"] == "pods" and rec["note"] == "" and rec["gbps"] > 0, rec

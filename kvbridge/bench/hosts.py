@@ -26,6 +26,11 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
 - Any stream count is a row (``tcp:8``, ``ctcp:2``, ``ctcp-sndbuf:8``, ``pipe:2``); the ratio column divides
   by the best of every raw row (these four kinds) of the same cap and size: the fastest raw medium that
   crosses there.
+- ``/scat`` after a C row (``ctcp-sndbuf:4/scat``, ``pipe:4/scat``): the same medium moving the bytes in the
+  layout the ``kvbridge`` row's engines hold them in: a plane per layer's K and V, the request's blocks at
+  random slots of each (32 KiB pieces for Llama-3-8B), each side its own, one iovec entry per piece. Its column, ``x scat raw``,
+  divides by the best such row: the lane against the medium in the same layout, apart from what scattered
+  pieces cost the memory system (the gap between a row and its ``/scat`` twin).
 - ``ucp-get``: one ucp GET of the bytes as one buffer over UCX's tcp with peer error handling
   (:mod:`kvbridge.bench.peers` ``ucp-get:tcp``): the medium of kvbridge's cross-host lane.
 - ``nixl``, ``mooncake``: NIXL's READ over UCX tcp and Mooncake's TCP transfer engine of the same
@@ -56,16 +61,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvbridge.bench import cold, peers, rawtcp
+from kvbridge.bench import cold, peers, rawtcp, ucx_baselines
 from kvbridge.bench.baselines import Unavailable
 from kvbridge.bench.child import HOST_SPEECH, Hung, JsonChild
 from kvbridge.bench.core import SHAPES, Point
 from kvbridge.connectors.ucx import tcplane
 from kvbridge.testing.hosts import EmulatedHosts, Host, unavailable
 
-ROWS = ("kvbridge", "kvbridge-ucp", "tcp:1", "tcp:4", "ctcp:1", "ctcp:4", "ctcp-sndbuf:4", "ucp-get", "nixl",
-        "mooncake", "pipe:4", "cma")
+ROWS = ("kvbridge", "kvbridge-ucp", "tcp:1", "tcp:4", "ctcp:1", "ctcp:4", "ctcp-sndbuf:4", "ctcp-sndbuf:4/scat",
+        "ucp-get", "nixl", "mooncake", "pipe:4", "cma")
 RAW = ("tcp:", "ctcp:", "ctcp-sndbuf:", "pipe:")  # raw rows, any stream count (tcp:8, ctcp:8 ...): the bar
+SCAT = "/scat"  # a C raw row in the request's scattered layout (ctcp-sndbuf:4/scat)
 DEFAULT_ROWS = ROWS[:-2]  # pipe:N crosses no host: --pods
 CAPS = ("none", "25gbit", "10gbit")
 _PEER_ROWS = {"ucp-get": "ucp-get:tcp", "nixl": "nixl:tcp", "mooncake": "mooncake:tcp", "cma": "cma"}
@@ -131,15 +137,25 @@ def _tcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: floa
 
 
 def _ctcp(a: Host, b: Host, nbytes: int, streams: int, reps: int, timeout_s: float = CHILD_TIMEOUT_S,
-          sndbuf: int = 0, pipes: bool = False) -> list[float]:
+          sndbuf: int = 0, pipes: bool = False, layout: Sequence[str] = ()) -> list[float]:
     """rawtcp over TCP (``sndbuf``: each send buffer's cap, 0 the kernel's), or through pipes handed over an
-    abstract Unix socket (``pipes``: rows ``pipe:N``)."""
-    exe, name = rawtcp.binary(), f"@kvbridge-bench-{os.getpid()}-{time.monotonic_ns()}"
+    abstract Unix socket (``pipes``: rows ``pipe:N``); ``layout``: rawtcp's scattered layout (rows ``.../scat``,
+    :func:`_scattered`)."""
+    exe = [*(["env", *layout] if layout else []), rawtcp.binary()]
+    name = f"@kvbridge-bench-{os.getpid()}-{time.monotonic_ns()}"
     evict_bytes = 0 if not cold.evicting() else 2 * cold.llc_bytes()
-    return _pair(a, b, "pipe" if pipes else "ctcp", [exe, "send", str(nbytes), str(streams), name if pipes else str(sndbuf)],
-                 lambda port: [exe, "recv", name if pipes else a.address, str(port), str(nbytes), str(streams), str(reps),
+    return _pair(a, b, "pipe" if pipes else "ctcp", [*exe, "send", str(nbytes), str(streams), name if pipes else str(sndbuf)],
+                 lambda port: [*exe, "recv", name if pipes else a.address, str(port), str(nbytes), str(streams), str(reps),
                                str(evict_bytes)],
                  timeout_s, python=False)
+
+
+def _scattered(point: Point) -> list[str]:
+    """rawtcp's environment for ``point``'s bytes laid out as the ``kvbridge`` row's engines hold them: a region
+    per layer's K and V plane, of as many slots as the engine has blocks, a piece per block."""
+    shape = point.shape
+    return [f"KVBRIDGE_RAWTCP_PIECE={point.block_size * shape.bytes_per_token // (2 * shape.num_layers)}",
+            f"KVBRIDGE_RAWTCP_REGIONS={2 * shape.num_layers}", f"KVBRIDGE_RAWTCP_SLOTS={ucx_baselines.pool_blocks(point)}"]
 
 
 def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
@@ -149,12 +165,10 @@ def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: 
         return _kvbridge(a, b, point, reps, lane=row.partition("-")[2] or "auto", timeout_s=timeout_s)
     if row.startswith("tcp:"):
         return _tcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s)
-    if row.startswith("ctcp:"):
-        return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s)
-    if row.startswith("ctcp-sndbuf:"):
-        return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s, sndbuf=tcplane.SNDBUF)
-    if row.startswith("pipe:"):
-        return _ctcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s, pipes=True)
+    kind, _, n = row.removesuffix(SCAT).partition(":")
+    if kind in ("ctcp", "ctcp-sndbuf", "pipe"):
+        return _ctcp(a, b, point.nbytes, int(n), reps, timeout_s, sndbuf=tcplane.SNDBUF if kind == "ctcp-sndbuf" else 0,
+                     pipes=kind == "pipe", layout=_scattered(point) if row.endswith(SCAT) else ())
     name = _PEER_ROWS[row]
     why = peers.PEERS[name].missing()
     if why:
@@ -207,25 +221,28 @@ def _summary(cap: str, point: Point, row: str, rounds: list[list[float]], note: 
 
 
 def table(records: Sequence[dict[str, Any]]) -> str:
-    lines = [f"{'cap':7} {'tokens':>6} {'MiB':>5} {'row':12} {'GB/s':>6} {'(round medians)':>16} {'x raw best':>10}  note"]
+    lines = [f"{'cap':7} {'tokens':>6} {'MiB':>5} {'row':18} {'GB/s':>6} {'(round medians)':>16} {'x raw best':>10} "
+             f"{'x scat raw':>10}  note"]
+    def best(rec: dict[str, Any], scat: bool) -> float:  # the bar: the best raw row (in the scattered layout)
+        return max((r.get("gbps", 0.0) for r in records if r["cap"] == rec["cap"] and r["tokens"] == rec["tokens"]
+                    and r["row"].startswith(RAW) and (not scat or r["row"].endswith(SCAT))), default=0.0)
+
     for rec in records:
-        best_raw = max((r.get("gbps", 0.0) for r in records if r["cap"] == rec["cap"] and r["tokens"] == rec["tokens"]
-                        and r["row"].startswith(RAW)), default=0.0)  # fmt: skip
+        head = f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:18}"
         if "gbps" in rec:
-            ratio = f"{rec['gbps'] / best_raw:10.2f}" if best_raw else f"{'-':>10}"
+            ratios = " ".join(f"{rec['gbps'] / b:10.2f}" if b else f"{'-':>10}" for b in (best(rec, False), best(rec, True)))
             spread = "({:.2f}-{:.2f})".format(rec["low"], rec["high"])
-            lines.append(f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:12} {rec['gbps']:6.2f} "
-                         f"{spread:>16} {ratio}")
+            lines.append(f"{head} {rec['gbps']:6.2f} {spread:>16} {ratios}")
         else:
-            lines.append(f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:12} {'-':>6} {'':16} "
-                         f"{'':10}  {rec['note'][:160]}")
+            lines.append(f"{head} {'-':>6} {'':16} {'':10} {'':10}  {rec['note'][:160]}")
     return "\n".join(lines)
 
 
 def _raw(row: str) -> bool:
-    """``tcp:N``, ``ctcp:N``, ``ctcp-sndbuf:N`` or ``pipe:N`` with 1 <= N <= 64."""
-    kind, _, n = row.partition(":")
-    return f"{kind}:" in RAW and n.isdigit() and 1 <= int(n) <= 64
+    """``tcp:N``, ``ctcp:N``, ``ctcp-sndbuf:N`` or ``pipe:N`` with 1 <= N <= 64, the C ones with ``/scat`` or not."""
+    kind, _, n = row.removesuffix(SCAT).partition(":")
+    scat_ok = not row.endswith(SCAT) or kind != "tcp"
+    return f"{kind}:" in RAW and n.isdigit() and 1 <= int(n) <= 64 and scat_ok
 
 
 def _list(text: str) -> list[str]:
@@ -263,7 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = run(tokens, _list(args.caps), rows, args.reps, args.rounds, log=sys.stdout, pods=args.pods,
                   child_timeout_s=args.child_timeout)
     print(table(records))
-    print(f"({time.perf_counter() - t0:.0f} s; ratio: GB/s over the best raw row of the same cap and size)")
+    print(f"({time.perf_counter() - t0:.0f} s; ratios: GB/s over the best raw row of the same cap and size, and over "
+          f"the best raw row in the request's scattered layout, {SCAT})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ucx_env": ucx_env, "records": records}, f, indent=1)

@@ -22,6 +22,14 @@
  * the receiver (HOST @NAME) read()s it out: one copy, the medium of the tcp lane's local connections
  * (kvbridge/csrc/tcp_local.c), which crosses between processes of one network namespace only.
  *
+ * KVBRIDGE_RAWTCP_PIECE=P, _REGIONS=G, _SLOTS=S on both sides (rows `…/scat`): the bytes lie as a scattered
+ * request's lie in a paged KV cache: G regions (a layer's K or V plane) of S slots of P bytes (a block's
+ * share of the plane), the request's blocks at the same random slots of every region, a permutation of
+ * each side's own; moved with one iovec entry per piece and at most what the lane offers per call
+ * (CALL_BYTES through a socket, PIPE_BYTES through a pipe).  The medium in the layout the lane moves, so
+ * that what the layout costs the memory system is measured apart from the lane.  Defaults: G = 1 (NBYTES
+ * any size, the last piece short), S = twice the pieces; with G > 1, NBYTES must be G regions of whole pieces.
+ *
  * Both buffers are asked for transparent huge pages (madvise), as the ucx worker backs an engine's KV cache
  * (connectors/ucx/hugepages.py): the kernel's copies into and out of the socket then miss the TLB less, and
  * a raw row on small pages would set the bar lower than the medium allows.  KVBRIDGE_RAWTCP_SMALL_PAGES=1 in the environment keeps 4 KiB pages.
@@ -49,12 +57,61 @@
 #include <unistd.h>
 
 #define MAX_STREAMS 64
+#define MAX_IOV 1024               /* IOV_MAX */
+#define CALL_BYTES (8u << 20)      /* the lane's bytes per socket call (kvbridge/csrc/tcp_io.c) */
+#define PIPE_BYTES (1u << 20)      /* and per pipe call: the pipe's size */
 
 static unsigned char *buf;
 static size_t nbytes;
 static int streams, sndbuf;
 static const char *local; /* the abstract socket's name (pipe rows), else NULL */
 static int pipes[MAX_STREAMS]; /* the sender's write ends, the receiver's read ends */
+
+static size_t piece;  /* KVBRIDGE_RAWTCP_PIECE: bytes per scattered piece; 0: one buffer */
+static size_t *where; /* piece j of the stream lies at buf + where[j] * piece */
+
+static void fail(const char *what);
+
+static size_t env_size(const char *name, size_t otherwise) {
+    const char *v = getenv(name);
+    return v && *v ? strtoull(v, NULL, 10) : otherwise;
+}
+
+/* The scattered layout (see the header): where[] for each side, its own permutation of a region's slots. */
+static size_t scatter(int sending) {
+    size_t pieces = (nbytes + piece - 1) / piece, regions = env_size("KVBRIDGE_RAWTCP_REGIONS", 1);
+    size_t per = pieces / (regions ? regions : 1), slots = env_size("KVBRIDGE_RAWTCP_SLOTS", 2 * per);
+    if (!regions || (regions > 1 && per * piece * regions != nbytes) || slots < per)
+        fail("KVBRIDGE_RAWTCP_REGIONS must split NBYTES into whole pieces, and _SLOTS hold a region's");
+    size_t *perm = malloc(slots * sizeof(size_t));
+    where = malloc(pieces * sizeof(size_t));
+    if (!perm || !where) fail("out of memory");
+    uint64_t x = sending ? 0x9E3779B97F4A7C15u : 0xD1B54A32D192ED03u; /* each side its own layout */
+    for (size_t j = 0; j < slots; j++) perm[j] = j;
+    for (size_t j = slots; j > 1; j--) { /* Fisher-Yates, xorshift */
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        size_t k = (size_t)(x % j), t = perm[j - 1];
+        perm[j - 1] = perm[k], perm[k] = t;
+    }
+    for (size_t r = 0; r < regions; r++)
+        for (size_t j = 0; j < per; j++) where[r * per + j] = r * slots + perm[j];
+    free(perm);
+    return regions * slots * piece;
+}
+
+/* The byte i of the stream, and the iovec entries of [at, hi) for one call: one entry per piece. */
+static unsigned char *addr(size_t i) { return piece ? buf + where[i / piece] * piece + i % piece : buf + i; }
+
+static int span(size_t at, size_t hi, size_t cap, struct iovec *v) {
+    if (!piece) return v[0] = (struct iovec){buf + at, hi - at}, 1;
+    int n = 0;
+    for (size_t end = hi - at > cap ? at + cap : hi; at < end && n < MAX_IOV; n++) {
+        size_t len = piece - at % piece < end - at ? piece - at % piece : end - at;
+        v[n] = (struct iovec){addr(at), len};
+        at += len;
+    }
+    return n;
+}
 
 static unsigned char pattern(size_t i) { return (unsigned char)((i * 2654435761u) >> 13) ^ (unsigned char)(i >> 20); }
 
@@ -140,8 +197,10 @@ static void *serve(void *arg) {
     int wait = sndbuf ? MSG_DONTWAIT : 0;
     while (recv(fd, &ask, 1, MSG_WAITALL) == 1 && ask == 'g') {
         for (size_t at = lo; at < hi;) {
-            struct iovec v = {buf + at, hi - at};
-            ssize_t r = local ? vmsplice(pipes[k], &v, 1, SPLICE_F_NONBLOCK) : send(fd, buf + at, hi - at, MSG_NOSIGNAL | wait);
+            struct iovec v[MAX_IOV];
+            struct msghdr m = {.msg_iov = v};
+            m.msg_iovlen = (size_t)span(at, hi, local ? PIPE_BYTES : CALL_BYTES, v);
+            ssize_t r = local ? vmsplice(pipes[k], v, m.msg_iovlen, SPLICE_F_NONBLOCK) : sendmsg(fd, &m, MSG_NOSIGNAL | wait);
             if (r < 0 && local && errno == EAGAIN) {
                 struct pollfd p = {pipes[k], POLLOUT, 0};
                 if (poll(&p, 1, -1) < 0 && errno != EINTR) return NULL;
@@ -161,7 +220,7 @@ static void *serve(void *arg) {
 }
 
 static int do_send(void) {
-    for (size_t i = 0; i < nbytes; i++) buf[i] = pattern(i);
+    for (size_t i = 0; i < nbytes; i++) *addr(i) = pattern(i);
     int lfd = socket(local ? AF_UNIX : AF_INET, SOCK_STREAM, 0), one = 1;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0, .sin_addr = {htonl(INADDR_ANY)}};
     struct sockaddr_un u;
@@ -203,7 +262,9 @@ static void *take(void *arg) {
         size_t lo = cut(k), hi = cut(k + 1);
         if (send(fds[k], "g", 1, MSG_NOSIGNAL) != 1) failed = 1;
         for (size_t at = lo; !failed && at < hi;) {
-            ssize_t r = local ? read(pipes[k], buf + at, hi - at) : recv(fds[k], buf + at, hi - at, 0);
+            struct iovec v[MAX_IOV];
+            int n = span(at, hi, local ? PIPE_BYTES : CALL_BYTES, v);
+            ssize_t r = readv(local ? pipes[k] : fds[k], v, n);
             if (r <= 0) failed = 1;
             else at += (size_t)r;
         }
@@ -230,7 +291,6 @@ static int do_recv(const char *host, int port, int reps, size_t evict_bytes) {
     }
     unsigned char *scratch = evict_bytes ? malloc(evict_bytes) : NULL; /* small pages: only the caches matter */
     if (scratch) memset(scratch, 1, evict_bytes);
-    memset(buf, 0xA5, nbytes);
     pthread_barrier_init(&go, NULL, (unsigned)streams + 1);
     pthread_barrier_init(&done, NULL, (unsigned)streams + 1);
     pthread_t t[MAX_STREAMS];
@@ -246,7 +306,7 @@ static int do_recv(const char *host, int port, int reps, size_t evict_bytes) {
         if (failed) fail("the sender went away");
         if (i == 0)
             for (size_t j = 0; j < nbytes; j++)
-                if (buf[j] != pattern(j)) fail("received bytes differ from the sender's");
+                if (*addr(j) != pattern(j)) fail("received bytes differ from the sender's");
     }
     quit = 1;
     pthread_barrier_wait(&go);
@@ -273,7 +333,8 @@ int main(int argc, char **argv) {
     nbytes = strtoull(argv[sending ? 2 : 4], NULL, 10);
     streams = atoi(argv[sending ? 3 : 5]);
     if (!nbytes || streams < 1 || streams > MAX_STREAMS) fail("NBYTES > 0 and STREAMS in [1, 64]");
-    buf = alloc(nbytes);
+    piece = env_size("KVBRIDGE_RAWTCP_PIECE", 0);
+    buf = alloc(piece ? scatter(sending) : nbytes);
     if (!buf) fail("out of memory");
     return sending ? do_send() : do_recv(argv[2], atoi(argv[3]), atoi(argv[6]), strtoull(argv[7], NULL, 10));
 }

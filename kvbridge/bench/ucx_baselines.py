@@ -78,6 +78,13 @@ def _point_json(point: Point) -> str:
                        "ids": point.ids, "requests": point.requests})
 
 
+def pool_blocks(point: Point) -> int:
+    """The blocks of each engine's KV in the two-process case: room for the point's requests and a few more,
+    so a scattered request's blocks are a permutation of nearly the whole cache (rawtcp's ``/scat`` rows lay
+    their bytes out the same way)."""
+    return point.requests * (point.blocks_per_request + 1) + 8
+
+
 def _engine(point: Point, role: Literal["producer", "consumer"], seed: int, registry: str, progress_mode: str,
             lane: str = "auto") -> Any:
     """A MiniEngine of ``point``'s geometry (vLLM's layout: K and V planes per layer) with room for its requests."""
@@ -87,7 +94,7 @@ def _engine(point: Point, role: Literal["producer", "consumer"], seed: int, regi
     shape = point.shape
     options = UcxOptions(registry_dir=registry, progress_mode=progress_mode, lane=lane)  # type: ignore[arg-type]
     return MiniEngine(UcxBackend(options), engine_id=f"bench-{role}", role=role, seed=seed,
-                      num_blocks=point.requests * (point.blocks_per_request + 1) + 8, num_layers=shape.num_layers,
+                      num_blocks=pool_blocks(point), num_layers=shape.num_layers,
                       num_kv_heads=shape.num_kv_heads, head_size=shape.head_size, block_size=point.block_size,
                       dtype=shape.dtype)  # fmt: skip
 
