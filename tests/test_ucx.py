@@ -253,6 +253,39 @@ def test_consumer_never_comes_lease_frees(tmp_path: Path) -> None:
         consumer.close()
 
 
+def test_a_load_out_of_time_in_a_handshake_fails_alone(tmp_path: Path) -> None:
+    """A load whose deadline comes while it handshakes with a slow but healthy producer (it waited long for
+    an IO thread) fails by that deadline, alone: a load that waited for that handshake with time to spare
+    handshakes again and arrives bit-exact, rather than failing with the first as with a producer that
+    refused or timed out a whole try."""
+    producer = Producer(tmp_path / "p", "--num-blocks", "24", "--slow-handshake", "1.0")
+    consumer = _consumer(tmp_path, num_blocks=24, timeout_s=6.0)
+    try:
+        ops = []
+        for i, rid in enumerate(("short", "long")):
+            params = producer.prefill(rid, 100, seed=40 + i)
+            req = consumer.request(f"{rid}-c", _tokens(100, 40 + i), params)
+            consumer.scheduler.on_allocated(req, consumer.allocate(7), consumer.scheduler.lookup(req, 0).num_tokens)
+            ops.append(consumer.scheduler.plan_step([]).loads[0])
+        puller = consumer.worker._puller  # type: ignore[attr-defined]
+        t0, failed = time.monotonic(), {}
+
+        def load(op: Any, due_in: float) -> None:
+            failed[op.request_id] = (puller.load(op, t0 + due_in), time.monotonic() - t0)
+
+        short = threading.Thread(target=load, args=(ops[0], 0.3))  # less than one try (timeout_s / 2) left
+        short.start()
+        time.sleep(0.1)  # the short load handshakes; the long one waits for that handshake
+        load(ops[1], 6.0)
+        short.join(10)
+        assert failed["short-c"][0] == set(ops[0].block_ids) and failed["short-c"][1] < 1.0, failed
+        assert failed["long-c"][0] == set(), failed  # on the old code: "the handshake ... failed meanwhile"
+        assert torch.equal(consumer.read(list(ops[1].block_ids)), producer.sent("long"))
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_release_before_the_plan_is_remembered(tmp_path: Path) -> None:
     """The consumer pulls and releases before the producer's next step tells its worker the request is held."""
     options = UcxOptions(registry_dir=str(tmp_path / "reg"))

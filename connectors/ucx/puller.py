@@ -139,12 +139,14 @@ class Puller:
             when, why = self._refused.get(address, (0.0, ""))
             if when > asked:  # the handshake this load waited for failed: so does the load, not one deadline later
                 raise PeerUnreachable(f"the handshake with {address} failed meanwhile: {why}")
-            client = MetadataClient(address, token=self.options.token, timeout=self.options.timeout_s / 2, retries=1)
+            try_s, budget = self.options.timeout_s / 2, until - time.monotonic()
+            client = MetadataClient(address, token=self.options.token, timeout=try_s, retries=1)
             try:
                 peer = self._handshake(client, src, resliced, until)
             except BaseException as exc:
                 client.close()
-                self._refused[address] = (time.monotonic(), f"{type(exc).__name__}: {exc}")
+                if not isinstance(exc, TransferTimeout) or budget >= try_s:  # not just this load's time running out
+                    self._refused[address] = (time.monotonic(), f"{type(exc).__name__}: {exc}")
                 raise
             self._refused.pop(address, None)
             with self._lock:

@@ -10,7 +10,8 @@ pumping the engine between them (so releases and leases free blocks as in a real
 - ``{"op": "quit"}``.
 
 ``--slow S`` makes every gather of a pull sleep S seconds first and touch OUT/gathered.<n>, so a test can
-kill this process mid-transfer.
+kill this process mid-transfer. ``--slow-handshake S`` answers every handshake S seconds late (a busy
+producer; a fake, since this machine's tc cannot delay packets: no netem).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--slow", type=float, default=0.0)
+    ap.add_argument("--slow-handshake", type=float, default=0.0)
     ap.add_argument("--num-blocks", type=int, default=80)
     ap.add_argument("--lease", type=float, default=60.0)
     ap.add_argument("--layers", type=int, default=GEOMETRY["num_layers"])
@@ -62,6 +64,15 @@ def main() -> None:
             return gather(*a, **kw)
 
         engine.layout.gather = slow_gather  # type: ignore[method-assign]
+    if args.slow_handshake:
+        meta = engine.worker.server.server  # type: ignore[attr-defined]
+        answer = meta._on_handshake
+
+        def slow_handshake(peer: Any) -> Any:
+            time.sleep(args.slow_handshake)
+            return answer(peer)
+
+        meta._on_handshake = slow_handshake
     print(json.dumps({"ready": True}), flush=True)
     while True:
         if not select.select([sys.stdin], [], [], 0.01)[0]:
