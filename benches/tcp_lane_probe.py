@@ -8,7 +8,8 @@ Rows: ``scat:S`` the bench's descriptors (Llama-3-8B, 32 layers x K/V, 32 KiB pi
 both sides) over S streams; ``one:S`` the same bytes as one descriptor; either with ``/B`` appended: the
 server's send buffer per connection, bytes (``scat:4/0``: the kernel's; default the lane's, ``tcplane.SNDBUF``);
 ``ctcp:S`` rawtcp, ``ctcp-sndbuf:S`` rawtcp with the lane's send buffer and non-blocking sends,
-``ctcpwarm:S`` rawtcp without the cache eviction; ``lscat:S`` / ``lone:S`` the ``scat`` / ``one`` rows over the
+``ctcpwarm:S`` rawtcp without the cache eviction; ``/scat`` after a rawtcp row: its bytes in the ``scat`` rows'
+layout (:mod:`kvbridge.bench.hosts`); ``lscat:S`` / ``lone:S`` the ``scat`` / ``one`` rows over the
 local medium (pipes; two pods or one host), ``pipe:S`` rawtcp through pipes. ``@VAR=V+VAR=V`` after a row: environment of both ends.
 Every read is timed from ``TcpSource.start`` to ``result()`` after an untimed cache eviction; the first
 read of each row and round is checked byte for byte and not timed.
@@ -156,14 +157,15 @@ def main() -> None:
             for k in range(args.rounds):  # one round at a time, so ctcp alternates with the lane's rows
                 order = rows[k % len(rows):] + rows[: k % len(rows)]
                 for r in order:
+                    scat = blocks if r.endswith("/scat") else 0
                     if r.startswith("pipe"):
-                        res[r].append(_ctcp(a, b, mib << 20, int(r.split(":")[1]), args.reps, cpu.setdefault(r, []),
-                                            local=f"@kvbridge-probe-pipe-{os.getpid()}"))
+                        res[r].append(_ctcp(a, b, mib << 20, int(r.split(":")[1].split("/")[0]), args.reps,
+                                            cpu.setdefault(r, []), local=f"@kvbridge-probe-pipe-{os.getpid()}", scat=scat))
                         continue
                     if r.startswith("ctcp"):
-                        res[r].append(_ctcp(a, b, mib << 20, int(r.split(":")[1].split("@")[0]), args.reps, cpu.setdefault(r, []),
-                                            warm=r.startswith("ctcpwarm"), small="@small" in r,
-                                            sndbuf=tcplane.SNDBUF if r.startswith("ctcp-sndbuf") else 0))
+                        res[r].append(_ctcp(a, b, mib << 20, int(r.split(":")[1].split("@")[0].split("/")[0]), args.reps,
+                                            cpu.setdefault(r, []), warm=r.startswith("ctcpwarm"), small="@small" in r,
+                                            sndbuf=tcplane.SNDBUF if r.startswith("ctcp-sndbuf") else 0, scat=scat))
                         continue
                     sndbuf = r.partition("@")[0].partition("/")[2] or str(tcplane.SNDBUF)
                     env = dict(os.environ)
@@ -200,10 +202,12 @@ def main() -> None:
 
 
 def _ctcp(a: object, b: object, nbytes: int, streams: int, reps: int, cpu: list[tuple[float, float]],
-          warm: bool = False, small: bool = False, sndbuf: int = 0, local: str = "") -> list[float]:
+          warm: bool = False, small: bool = False, sndbuf: int = 0, local: str = "", scat: int = 0) -> list[float]:
     import os
 
     os.environ["KVBRIDGE_RAWTCP_SMALL_PAGES"] = "1" if small else ""
+    layout = {"KVBRIDGE_RAWTCP_PIECE": PIECE, "KVBRIDGE_RAWTCP_REGIONS": 2 * LAYERS, "KVBRIDGE_RAWTCP_SLOTS": scat}
+    os.environ.update({k: str(v) if scat else "" for k, v in layout.items()})  # /scat: the scat rows' layout
     from kvbridge.bench import cold, rawtcp
     from kvbridge.bench.hosts import _Proc
 
