@@ -321,10 +321,13 @@ class Server:
                     raise TimeoutError(f"pull of {pull.request_id} not served by its deadline (timeout_s)")
                 sends.append(loop.create_task(send(buf, view, i + 1)))
             await asyncio.wait_for(asyncio.gather(*sends), _left(until))
+        except BaseException:
+            bury(bufs)  # a send that missed its deadline may still read its buffer: never reused, never freed
+            raise
         finally:
             for task in sends:
                 task.cancel()
-        self._staging.give(bufs)  # not on failure: a send that missed its deadline may still read its buffer
+        self._staging.give(bufs)
 
     def close(self) -> None:
         try:  # the posted worker-level receive ends only with a message: send ourselves one
