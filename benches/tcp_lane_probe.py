@@ -206,9 +206,10 @@ def _ctcp(a: object, b: object, nbytes: int, streams: int, reps: int, cpu: list[
     import os
 
     os.environ["KVBRIDGE_RAWTCP_SMALL_PAGES"] = "1" if small else ""
-    layout = {"KVBRIDGE_RAWTCP_PIECE": PIECE, "KVBRIDGE_RAWTCP_REGIONS": 2 * LAYERS, "KVBRIDGE_RAWTCP_SLOTS": scat}
-    os.environ.update({k: str(v) if scat else "" for k, v in layout.items()})  # /scat: the scat rows' layout
     from kvbridge.bench import cold, rawtcp
+
+    layout = rawtcp.scattered(PIECE, 2 * LAYERS, scat)  # /scat: the scat rows' layout
+    os.environ.update({k: v if scat else "" for k, v in layout.items()})
     from kvbridge.bench.hosts import _Proc
 
     exe = rawtcp.binary()

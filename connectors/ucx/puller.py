@@ -187,7 +187,9 @@ class Puller:
         """Forget ``peer`` (failed, or its producer restarted): the next load handshakes anew. Never waits for
         a handshake under way: a failed load is reported by its deadline (test_hosts_slots.py)."""
         with self._lock:
-            mine = self._peers.get(address) is peer and self._peers.pop(address) is peer
+            mine = self._peers.get(address) is peer
+            if mine:
+                del self._peers[address]
         if mine:  # the first of its failed loads closes it
             peer.close(self.rt)
 

@@ -154,8 +154,9 @@ def _scattered(point: Point) -> list[str]:
     """rawtcp's environment for ``point``'s bytes laid out as the ``kvbridge`` row's engines hold them: a region
     per layer's K and V plane, of as many slots as the engine has blocks, a piece per block."""
     shape = point.shape
-    return [f"KVBRIDGE_RAWTCP_PIECE={point.block_size * shape.bytes_per_token // (2 * shape.num_layers)}",
-            f"KVBRIDGE_RAWTCP_REGIONS={2 * shape.num_layers}", f"KVBRIDGE_RAWTCP_SLOTS={ucx_baselines.pool_blocks(point)}"]
+    env = rawtcp.scattered(point.block_size * shape.bytes_per_token // (2 * shape.num_layers), 2 * shape.num_layers,
+                           ucx_baselines.pool_blocks(point))
+    return [f"{k}={v}" for k, v in env.items()]
 
 
 def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:

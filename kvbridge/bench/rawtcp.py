@@ -21,6 +21,13 @@ from kvbridge.bench.baselines import Unavailable
 SOURCE = Path(__file__).with_name("rawtcp.c")
 
 
+def scattered(piece: int, regions: int, slots: int) -> dict[str, str]:
+    """rawtcp's environment for bytes laid out as a paged KV holds a request: ``regions`` planes (a layer's K or
+    V) of ``slots`` blocks, ``piece`` bytes a block and plane (rawtcp.c's header: rows ``.../scat``)."""
+    return {"KVBRIDGE_RAWTCP_PIECE": str(piece), "KVBRIDGE_RAWTCP_REGIONS": str(regions),
+            "KVBRIDGE_RAWTCP_SLOTS": str(slots)}
+
+
 def binary() -> str:
     """The path of the built ``rawtcp`` (built on first use, cached by the source's hash); raises
     :class:`Unavailable` without a C compiler."""
@@ -39,4 +46,4 @@ def binary() -> str:
     return str(out)
 
 
-__all__ = ["SOURCE", "binary"]
+__all__ = ["SOURCE", "binary", "scattered"]
