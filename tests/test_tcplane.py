@@ -16,6 +16,8 @@ Peers: tests/helpers/tcp_peer.py; the relay: tests/helpers/throttle.py.
 from __future__ import annotations
 
 import errno
+import socket
+import struct
 import subprocess
 import time
 from typing import Any
@@ -27,6 +29,7 @@ from kvbridge import native
 if native.load_core()[0] is None or not hasattr(native.load_core()[0], "TcpServer"):
     pytest.skip(f"kvbridge._core with the tcp lane: {native.load_core()[1]}", allow_module_level=True)
 
+from tcp_peer import pattern  # noqa: E402 - tests/helpers, on sys.path by conftest
 from tcpkit import BLOCK, TIMEOUT_S, Peer, pair, read_all  # noqa: E402 - tests/helpers, on sys.path by conftest
 from throttle import Throttle  # noqa: E402 - tests/helpers, on sys.path by conftest
 
@@ -44,6 +47,78 @@ def test_loopback_reads_are_bit_exact(streams: int, sndbuf: int) -> None:
         assert refused == 0 and requests >= 3 and conns <= streams  # connections kept between reads
     finally:
         reader.close()
+        producer.close()
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["tcp", "pipes"])
+def test_reads_whose_parts_do_not_end_on_64_bytes_are_bit_exact(local: bool) -> None:
+    """Blocks of 1 MiB + 8 bytes: the read's parts are cut on 64-byte boundaries and the last one is not a
+    multiple of 64, so its reply ends in padding after the seal word (tcp.h's wire)."""
+    block = (1 << 20) + 8
+    producer, reader, info = pair(4 * block, local=local)
+    try:
+        assert producer.ask(op="seal", slot=2, word=0x5EA1)["ok"]
+        for order in ([2, 0, 3], [1, 3, 0, 2], [3]):  # 3 and 4 streams, then one
+            got = reader.ask(address=info["address"], block=block, order=order, seal=info["seals"] + 16)
+            want = producer.ask(op="sha", offset=0, block=block, order=order)["sha"]
+            assert got["bytes"] == len(order) * block and got["exact"] and got["sha"] == want, got
+            assert got["word"] == 0x5EA1  # every stream's word, after its part's data (and padding)
+    finally:
+        reader.close()
+        producer.close()
+
+
+def _hello(port: int, secret: bytes, version: int = 2) -> tuple[socket.socket, int]:
+    """A consumer's TCP hello by hand (tcp.h): the connected socket and the server's status."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(struct.pack("<II", 0x5442564B, version) + secret)
+    return sock, struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))[0]
+
+
+def test_the_wire_keeps_every_replys_data_on_64_byte_boundaries() -> None:
+    """tcp.h's reply by hand: a 64-byte header, the data, the seal word and zeros up to the next multiple of 64,
+    so that on a kept connection every reply's data starts 64-byte aligned in the stream, as the KV's pieces
+    start, whatever the lengths before it. Nothing follows a reply."""
+    producer, reader, info = pair(16 * BLOCK)
+    reader.close()
+    sock, status = _hello(info["port"], bytes.fromhex(info["secret"]))
+    try:
+        assert status == 0 and producer.ask(op="seal", slot=3, word=0xABCD)["ok"]
+        stream = 0
+        for length in (BLOCK, 104, 8, 1000, 56, 64):  # every padding from 0 to 56 bytes
+            offset = 64 + 8 * length  # a word of the pattern: word i is i * PATTERN_K
+            sock.sendall(struct.pack("<IIQQQ", 0x5242564B, 1, info["seals"] + 24, info["address"] + offset, length))
+            head = sock.recv(64, socket.MSG_WAITALL)
+            assert struct.unpack("<IIQ", head[:16]) == (0, 0, length) and head[16:] == bytes(48)
+            data = sock.recv(length, socket.MSG_WAITALL)
+            assert data == pattern(offset // 8, -(-length // 8)).tobytes()[:length]
+            pad = -(length + 8) % 64
+            tail = sock.recv(8 + pad, socket.MSG_WAITALL)
+            assert struct.unpack("<Q", tail[:8])[0] == 0xABCD and tail[8:] == bytes(pad)
+            stream += 64 + length + 8 + pad
+            assert stream % 64 == 0
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(1)  # the reply ended where its padding said
+    finally:
+        sock.close()
+        producer.close()
+
+
+def test_a_consumer_of_another_wire_version_is_told_so() -> None:
+    """A hello with the right secret and an older version: its own status (5, TCP_BAD_VERSION), not a claim
+    that the secret was wrong, and the connection closes with no byte served."""
+    producer, reader, info = pair(16 * BLOCK)
+    reader.close()
+    sock, status = _hello(info["port"], bytes.fromhex(info["secret"]), version=1)
+    try:
+        assert status == 5 and sock.recv(1) == b""
+        assert producer.ask(op="stats")["stats"][1:] == [0, 0, 1]  # no request, no byte, one refusal
+        bad, status = _hello(info["port"], b"x" * 32, version=1)
+        bad.close()
+        assert status == 1  # a stranger learns nothing about versions
+    finally:
+        sock.close()
         producer.close()
 
 

@@ -10,9 +10,19 @@
  * The wire (little-endian, one version):
  *
  *   consumer -> server, once per connection:  HELLO  u32 magic "KVBT", u32 version, u8 secret[32]
- *   server -> consumer:                       u32 status (TCP_OK, or TCP_BAD_SECRET and the socket closes)
+ *   server -> consumer:                       u32 status (TCP_OK; TCP_BAD_SECRET or TCP_BAD_VERSION and the
+ *                                             socket closes)
  *   consumer -> server, per request:          u32 magic "KVBR", u32 n, u64 seal_address, n x (u64 addr, u64 len)
- *   server -> consumer:                       u32 status, u32 0, u64 total; total bytes of data; u64 seal word
+ *   server -> consumer:                       u32 status, u32 0, u64 total, 48 zero bytes (64 in all);
+ *                                             total bytes of data; u64 seal word, then zero bytes up to the
+ *                                             next multiple of 64 bytes of the reply (tcp_trailer_bytes)
+ *
+ * Why replies keep their data on 64-byte boundaries of the stream: the producer's kernel copies the KV into
+ * socket pages at the stream's offset and the consumer's kernel copies it out of them into the KV, whose
+ * pieces start on cache lines.  With the data at any other offset both copies run with source and
+ * destination on different alignments, the case string copies handle worst.  It costs at most 120 bytes a
+ * reply; what it buys is small beside a 2-core host's spread (benches/tcp_lane_probe.py, rows scat:4 and
+ * ctcp-sndbuf:4/scat, the lane beside plain TCP in the same layout).
  *
  * A request outside the registered regions is answered TCP_OUT_OF_BOUNDS, and the connection closes: no
  * byte of it is served.  The seal word is read after the data was copied into the socket (so it is never
@@ -46,10 +56,13 @@
 
 #define TCP_MAGIC_HELLO 0x5442564Bu   /* "KVBT" */
 #define TCP_MAGIC_REQUEST 0x5242564Bu /* "KVBR" */
-#define TCP_VERSION 1u
+#define TCP_VERSION 2u
 #define TCP_SECRET_BYTES 32
 
-enum { TCP_OK = 0, TCP_BAD_SECRET = 1, TCP_OUT_OF_BOUNDS = 2, TCP_BAD_REQUEST = 3, TCP_BUSY = 4 };
+enum { TCP_OK = 0, TCP_BAD_SECRET = 1, TCP_OUT_OF_BOUNDS = 2, TCP_BAD_REQUEST = 3, TCP_BUSY = 4, TCP_BAD_VERSION = 5 };
+
+/* What a reply's data is aligned to in the stream (the wire above says why). */
+#define TCP_ALIGN 64
 
 /* Descriptors in one request at most: bounds what a server allocates for one before checking it. */
 #define TCP_MAX_DESCS (1u << 20)
@@ -67,7 +80,20 @@ typedef struct {
 typedef struct {
     uint32_t status, zero;
     uint64_t total;
+    uint8_t pad[TCP_ALIGN - 16];
 } tcp_reply;
+
+/* A reply's end over TCP: the seal word and the zeros that end the reply on a TCP_ALIGN boundary (through a
+ * pipe only the word: its data is copied from the producer's own pages, wherever the header went). */
+typedef struct {
+    uint64_t word;
+    uint8_t pad[TCP_ALIGN - 8];
+} tcp_trailer;
+
+/* How many bytes of a tcp_trailer follow `total` bytes of data (header + data + trailer: a multiple of 64). */
+static inline size_t tcp_trailer_bytes(uint64_t total) {
+    return sizeof(uint64_t) + (size_t)((TCP_ALIGN - (total + sizeof(uint64_t)) % TCP_ALIGN) % TCP_ALIGN);
+}
 
 typedef struct {
     uint64_t addr, len;

@@ -6,8 +6,8 @@
  *     .close()
  *
  * A read's descriptors are merged where they continue each other on both sides, then cut into `streams`
- * parts of equal bytes (a descriptor may be split); each part is one request on its own connection, run
- * by a thread of this file's pool, received with recvmsg straight into the local pieces (no staging).
+ * parts of about equal bytes on 64-byte boundaries (a descriptor may be split); each part is one request
+ * on its own connection, run by a pool thread, received with recvmsg straight into the local pieces.
  * Connections stay open between reads (a connect and hello cost round trips per load otherwise) and are
  * dropped after any failure, so a read after a cut link or a restarted producer starts on fresh ones.
  *
@@ -62,7 +62,7 @@ struct TcpReadObject;
 typedef struct stream {
     struct TcpReadObject *r;
     uint64_t lo, hi; /* its bytes of the merged descriptors */
-    uint64_t word;
+    tcp_trailer tail; /* the seal word its server sent after the data (and, over TCP, the padding) */
     int err;
     int fd; /* its connection while it moves bytes, else -1 (r->lock) */
     int pipe; /* a local connection's pipe (its data), else -1 */
@@ -116,7 +116,7 @@ static int take_conn(TcpSourceObject *s, double until, int *pipe, int *err) {
     uint32_t status = TCP_BAD_SECRET;
     int e = tcp_send_all(fd, &h, sizeof(h), until);
     if (!e) e = s->local ? tcp_pipe_take(fd, &status, pipe, until) : tcp_recv_all(fd, &status, sizeof(status), until);
-    if (!e && status != TCP_OK) e = EACCES;
+    if (!e && status != TCP_OK) e = status == TCP_BAD_VERSION ? EPROTONOSUPPORT : EACCES;
     if (e == ECONNRESET && status != TCP_OK) e = EACCES; /* refused: the server closed without an answer */
     if (e) {
         close(fd);
@@ -199,7 +199,6 @@ static int stream_run(stream *st) {
         memcpy(q + sizeof(tcp_request) + k * sizeof(tcp_desc), &d, sizeof(d));
         iov[k] = (struct iovec){(void *)(uintptr_t)(r->loc[i] + a), (size_t)(b - a)};
     }
-    iov[n] = (struct iovec){&st->word, sizeof(st->word)}; /* the seal word follows the data */
     int fd = -1;
     if (tcp_now() >= until) err = ETIMEDOUT; /* queued behind other reads' streams past its deadline */
     else if (!stream_own(st, -1)) err = ECANCELED;
@@ -210,7 +209,8 @@ static int stream_run(stream *st) {
     }
     if (fd >= 0) {
         if (!stream_own(st, fd)) err = ECANCELED;
-        tcp_reply rep = {TCP_BAD_REQUEST, 0, 0};
+        tcp_reply rep = {TCP_BAD_REQUEST, 0, 0, {0}};
+        iov[n] = (struct iovec){&st->tail, st->pipe < 0 ? tcp_trailer_bytes(st->hi - st->lo) : sizeof(uint64_t)};
         if (!err) err = tcp_send_all(fd, q, qbytes, until);
         if (!err) err = tcp_recv_all(fd, &rep, sizeof(rep), until);
         if (!err && rep.status != TCP_OK) err = rep.status == TCP_OUT_OF_BOUNDS ? EFAULT : EPROTO;
@@ -241,12 +241,12 @@ static void stream_over(stream *st) {
     pthread_mutex_unlock(&r->lock);
     if (!last) return;
     int err = r->failed; /* the first failure, not a sibling's shut-down socket it caused */
-    uint64_t word = r->st[0].word;
+    uint64_t word = r->st[0].tail.word;
     for (int k = 0; k < r->nstreams; k++) {
         if (!err) err = r->st[k].err;
-        if (r->st[k].word != word) word = 0;
+        if (r->st[k].tail.word != word) word = 0;
     }
-    r->st[0].word = r->seal_address ? word : 0;
+    r->st[0].tail.word = r->seal_address ? word : 0;
     kv_end_own(&r->base.job, err, err ? 0 : r->starts[r->m]); /* r may be gone after this */
 }
 
@@ -321,6 +321,7 @@ static void read_dealloc(TcpReadObject *r) {
 static const char *why(int err) {
     switch (err) {
     case EACCES: return "the producer refused the secret";
+    case EPROTONOSUPPORT: return "the producer speaks another version of the tcp lane (run one kvbridge on both ends)";
     case EFAULT: return "the producer refused ranges outside its registered KV";
     case EPROTO: return "the producer's answer does not match the request";
     case ETIMEDOUT: return "the read's deadline passed (timeout_s from its start)";
@@ -337,7 +338,7 @@ static PyObject *read_result(TcpReadObject *r, PyObject *unused) {
         Py_XDECREF(e);
         return NULL;
     }
-    return Py_BuildValue("(KK)", (unsigned long long)j->total, (unsigned long long)r->st[0].word);
+    return Py_BuildValue("(KK)", (unsigned long long)j->total, (unsigned long long)r->st[0].tail.word);
 }
 
 static PyMethodDef read_methods[] = {
@@ -431,13 +432,12 @@ static int plan(TcpReadObject *r, int streams) {
         }
         total += n;
     }
-    r->starts[m] = total;
-    r->m = m;
+    r->starts[m] = total, r->m = m;
     uint64_t most = total / READ_STREAM_MIN_BYTES;
     r->nstreams = most < 1 ? 1 : most < (uint64_t)streams ? (int)most : streams;
-    for (int k = 0; k < r->nstreams; k++)
-        r->st[k] = (stream){.r = r, .lo = total * (uint64_t)k / (uint64_t)r->nstreams,
-                            .hi = total * (uint64_t)(k + 1) / (uint64_t)r->nstreams, .fd = -1, .pipe = -1};
+    uint64_t n = (uint64_t)r->nstreams; /* parts cut on TCP_ALIGN: their data stays aligned as the pieces are (tcp.h) */
+    for (uint64_t k = 0; k < n; k++)
+        r->st[k] = (stream){.r = r, .lo = k ? r->st[k - 1].hi : 0, .hi = k + 1 == n ? total : total * (k + 1) / n / TCP_ALIGN * TCP_ALIGN, .fd = -1, .pipe = -1};
     return 0;
 }
 

@@ -91,7 +91,7 @@ static void count(server *s, uint64_t *field, uint64_t n) {
 }
 
 static int reply(int fd, uint32_t status, uint64_t total, double until) {
-    tcp_reply r = {status, 0, total};
+    tcp_reply r = {status, 0, total, {0}};
     return tcp_send_all(fd, &r, sizeof(r), until);
 }
 
@@ -123,7 +123,7 @@ static int serve_request(server *s, int fd, int pipe_w, const tcp_request *q, tc
     }
     /* over TCP the reply's header leads the first batch of data: one send for both; through a pipe the
      * header goes over the socket and the data into the pipe */
-    tcp_reply head = {TCP_OK, 0, total};
+    tcp_reply head = {TCP_OK, 0, total, {0}};
     int k = 0;
     if (pipe_w < 0) iov[k++] = (struct iovec){&head, sizeof(head)};
     else if ((err = tcp_send_all(fd, &head, sizeof(head), until))) return err;
@@ -142,8 +142,9 @@ static int serve_request(server *s, int fd, int pipe_w, const tcp_request *q, tc
         err = sealed ? tcp_pipe_splicev(pipe_w, fd, &w, 1, until) : tcp_pipe_write(pipe_w, fd, &word, sizeof(word), until);
         if (err) return err;
     } else { /* every data byte is in the socket now, so the word read here is not older than any of them */
-        if (sealed) word = __atomic_load_n((const uint64_t *)(uintptr_t)a, __ATOMIC_ACQUIRE);
-        if ((err = tcp_send_all(fd, &word, sizeof(word), until))) return err;
+        tcp_trailer tail = {0, {0}};
+        if (sealed) tail.word = __atomic_load_n((const uint64_t *)(uintptr_t)a, __ATOMIC_ACQUIRE);
+        if ((err = tcp_send_all(fd, &tail, tcp_trailer_bytes(total), until))) return err;
     }
     pthread_mutex_lock(&s->lock);
     s->n_requests++;
@@ -173,8 +174,10 @@ static void *conn_main(void *arg) {
     double until = tcp_now() + s->timeout_s; /* the hello, from the accept */
     int err = iov ? tcp_recv_all(c.fd, &h, sizeof(h), until) : ENOMEM;
     if (!err) {
-        int ok = h.magic == TCP_MAGIC_HELLO && h.version == TCP_VERSION && tcp_secret_equal(h.secret, s->secret);
-        uint32_t status = ok ? TCP_OK : TCP_BAD_SECRET;
+        uint32_t status = h.magic != TCP_MAGIC_HELLO || !tcp_secret_equal(h.secret, s->secret) ? TCP_BAD_SECRET
+                          : h.version != TCP_VERSION                                          ? TCP_BAD_VERSION
+                                                                                              : TCP_OK;
+        int ok = status == TCP_OK;
         err = c.local ? tcp_pipe_offer(c.fd, status, &pipe_w, until) : tcp_send_all(c.fd, &status, sizeof(status), until);
         if (!ok) {
             count(s, &s->n_refused, 1);
