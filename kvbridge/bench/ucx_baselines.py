@@ -106,6 +106,7 @@ def _producer(registry: str, point_json: str, progress_mode: str) -> None:
     engine = _engine(point, "producer", 1, registry, progress_mode)
     for t in engine.kv.values():
         t.view(torch.int16).random_()  # random bits: nothing compresses, nothing is all-zero
+    torch.set_num_threads(1)  # no OpenMP worker left spinning on the cores the pulls run on
     runs = request_blocks(point, engine.layout.num_blocks, 1)
     full = point.blocks_per_request
     digest = hashlib.sha256(b"".join(engine.read(ids[:full]).numpy().tobytes() for ids in runs)).hexdigest()
@@ -147,10 +148,12 @@ def two_processes(point: Point, reps: int, progress_mode: str = "thread") -> Tim
 def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: str, progress_mode: str = "thread",
             lane: str = "auto") -> Timing:
     """The consumer's half of :func:`two_processes`: ``offer(rid)`` has the producer hand off its requests
-    again (their transfer params); ``reps`` timed pulls after a warm-up checked against ``digest``; ``lane``:
-    the consumer's (the producer offers every lane it can)."""
+    again (their transfer params); a warm-up and ``reps`` timed pulls, each into a cleared KV and checked
+    against ``digest``; ``lane``: the consumer's (the producer offers every lane it can)."""
+    threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="kvbridge-ucx-bench-c-") as registry:
         consumer = _engine(point, "consumer", 2, registry, progress_mode, lane)
+        torch.set_num_threads(1)  # checking the bytes must leave no OpenMP worker spinning beside the next pull
         try:
             runs = request_blocks(point, consumer.layout.num_blocks, 2)
             full, tokens = point.blocks_per_request, list(range(point.blocks_per_request * point.block_size + 1))
@@ -161,6 +164,8 @@ def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: 
                     consumer.scheduler.on_allocated(req, ids, consumer.scheduler.lookup(req, 0).num_tokens)
                 plan = consumer.scheduler.plan_step([])
                 waiting, failed = {r.request_id for r in reqs}, set()
+                for t in consumer.kv.values():
+                    t.zero_()  # the last pull's bytes gone: a block this one does not write fails the check
                 evict()
                 t0 = time.perf_counter()
                 consumer.worker.start_step(plan)
@@ -175,14 +180,15 @@ def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: 
                 if failed:
                     raise Unavailable(f"{len(failed)} blocks failed to load")
                 got = b"".join(consumer.read(ids[:full]).numpy().tobytes() for ids in runs)
-                if i == 0 and hashlib.sha256(got).hexdigest() != digest:
-                    raise Unavailable("pulled bytes differ from the producer's")
+                if hashlib.sha256(got).hexdigest() != digest:
+                    raise Unavailable(f"pull {i}: the bytes differ from the producer's")
                 for req, ids in zip(reqs, runs):
                     consumer.scheduler.on_finished(req, ids)
                 if i:
                     samples.append(dt)
             return Timing(tuple(samples))
         finally:
+            torch.set_num_threads(threads)
             consumer.close()
 
 
