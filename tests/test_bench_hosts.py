@@ -5,6 +5,7 @@ Needs root (skips, saying why)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,20 @@ def test_a_silent_child_is_killed_and_its_row_fails_saying_why() -> None:
     records = bench_hosts.run([32], ["none"], ["tcp:1"], reps=1, rounds=2, shape="tiny", child_timeout_s=0.01)
     assert len(records) == 1 and "gbps" not in records[0], records
     assert records[0]["note"].startswith("failed: tcp sender: no answer within 0.01s, killed"), records
+
+
+def test_the_table_pairs_each_round_with_the_raw_row_of_that_round() -> None:
+    """The scattered-layout ratio's range divides each round's median by the best /scat row's median of the
+    same round: a slow round slows both and their ratio keeps."""
+    def rec(row: str, rounds: list[float]) -> dict[str, Any]:
+        return {"cap": "none", "tokens": 256, "bytes": 32 << 20, "row": row, "note": "", "gbps": sorted(rounds)[1],
+                "low": min(rounds), "high": max(rounds), "round_gbps": rounds}
+
+    records = [rec("kvbridge", [4.0, 2.0, 5.0]), rec("ctcp-sndbuf:4", [6.0, 6.0, 6.0]),
+               rec("ctcp-sndbuf:4/scat", [5.0, 2.5, 5.0]), {"cap": "none", "tokens": 256, "bytes": 32 << 20,
+                                                             "row": "nixl", "note": "not measured: no nixl"}]
+    lines = bench_hosts.table(records).splitlines()
+    kvb = lines[1].split()
+    assert kvb[4:] == ["4.00", "(2.00-5.00)", "0.67", "0.80", "(0.80-1.00)"], kvb  # 4/6, 4/5; 4/5, 2/2.5, 5/5
+    assert lines[3].split()[-3:] == ["0.83", "1.00", "(1.00-1.00)"]  # 5/6, and itself
+    assert lines[4].split()[4] == "-" and "no nixl" in lines[4]

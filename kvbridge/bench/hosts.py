@@ -30,7 +30,8 @@ Needs root and ``ip netns`` (it says so and exits 2 otherwise). Rows (:data:`ROW
   layout the ``kvbridge`` row's engines hold them in: a plane per layer's K and V, the request's blocks at
   random slots of each (32 KiB pieces for Llama-3-8B), each side its own, one iovec entry per piece. Its column, ``x scat raw``,
   divides by the best such row: the lane against the medium in the same layout, apart from what scattered
-  pieces cost the memory system (the gap between a row and its ``/scat`` twin).
+  pieces cost the memory system (the gap between a row and its ``/scat`` twin); in brackets the range of
+  that ratio round by round, each round's two medians measured minutes apart at most.
 - ``ucp-get``: one ucp GET of the bytes as one buffer over UCX's tcp with peer error handling
   (:mod:`kvbridge.bench.peers` ``ucp-get:tcp``): the medium of kvbridge's cross-host lane.
 - ``nixl``, ``mooncake``: NIXL's READ over UCX tcp and Mooncake's TCP transfer engine of the same
@@ -217,25 +218,35 @@ def _summary(cap: str, point: Point, row: str, rounds: list[list[float]], note: 
         every = [s for r in rounds for s in r]
         medians = [point.nbytes / statistics.median(r) / 1e9 for r in rounds]
         rec.update(gbps=point.nbytes / statistics.median(every) / 1e9, low=min(medians), high=max(medians),
-                   samples=every, rounds=len(rounds))
+                   samples=every, rounds=len(rounds), round_gbps=medians)
     return rec
 
 
 def table(records: Sequence[dict[str, Any]]) -> str:
+    """The records as a table: each row's GB/s over the best raw row, and over the best raw row in the KV's
+    scattered layout, with the range of that ratio round by round (the two measured minutes apart at most,
+    so a drift of the machine's load moves both: the range says how far one run's ratio can be trusted)."""
     lines = [f"{'cap':7} {'tokens':>6} {'MiB':>5} {'row':18} {'GB/s':>6} {'(round medians)':>16} {'x raw best':>10} "
-             f"{'x scat raw':>10}  note"]
-    def best(rec: dict[str, Any], scat: bool) -> float:  # the bar: the best raw row (in the scattered layout)
-        return max((r.get("gbps", 0.0) for r in records if r["cap"] == rec["cap"] and r["tokens"] == rec["tokens"]
-                    and r["row"].startswith(RAW) and (not scat or r["row"].endswith(SCAT))), default=0.0)
+             f"{'x scat raw (per round)':>22}  note"]
+    def best(rec: dict[str, Any], scat: bool) -> dict[str, Any] | None:  # the bar: the best raw row (scattered)
+        return max((r for r in records if r["cap"] == rec["cap"] and r["tokens"] == rec["tokens"] and "gbps" in r
+                    and r["row"].startswith(RAW) and (not scat or r["row"].endswith(SCAT))),
+                   key=lambda r: r["gbps"], default=None)
 
     for rec in records:
         head = f"{rec['cap']:7} {rec['tokens']:6} {rec['bytes'] >> 20:5} {rec['row']:18}"
-        if "gbps" in rec:
-            ratios = " ".join(f"{rec['gbps'] / b:10.2f}" if b else f"{'-':>10}" for b in (best(rec, False), best(rec, True)))
-            spread = "({:.2f}-{:.2f})".format(rec["low"], rec["high"])
-            lines.append(f"{head} {rec['gbps']:6.2f} {spread:>16} {ratios}")
-        else:
-            lines.append(f"{head} {'-':>6} {'':16} {'':10} {'':10}  {rec['note'][:160]}")
+        if "gbps" not in rec:
+            lines.append(f"{head} {'-':>6} {'':16} {'':10} {'':22}  {rec['note'][:160]}")
+            continue
+        spread = "({:.2f}-{:.2f})".format(rec["low"], rec["high"])
+        raw, scat = best(rec, False), best(rec, True)
+        over_raw = f"{rec['gbps'] / raw['gbps']:10.2f}" if raw else f"{'-':>10}"
+        over_scat = f"{'-':>22}"
+        if scat:
+            paired = [a / b for a, b in zip(rec.get("round_gbps", ()), scat.get("round_gbps", ()))]
+            rounds = f"({min(paired):.2f}-{max(paired):.2f})" if paired else ""
+            over_scat = f"{rec['gbps'] / scat['gbps']:.2f} {rounds:>12}".rjust(22)
+        lines.append(f"{head} {rec['gbps']:6.2f} {spread:>16} {over_raw} {over_scat}")
     return "\n".join(lines)
 
 
