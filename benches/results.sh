@@ -10,8 +10,8 @@ set -euo pipefail
 out="${RESULTS_DIR:-$(dirname "$0")/results}"
 parts=" ${RESULTS_PARTS:-bench hosts pods} "
 # 8, 32 and 128 MiB a request (the fit needs several sizes; prompts of the simulated workload are 37 MiB to
-# 2.3 GiB), three caps, rows rotated over two rounds
-hosts_args="${HOSTS_ARGS:---tokens 1024,256,64 --caps none,25gbit,10gbit --rounds 2 --reps 3}"
+# 2.3 GiB), three caps, rows rotated over three rounds (the per-round ratios need more than two)
+hosts_args="${HOSTS_ARGS:---tokens 1024,256,64 --caps none,25gbit,10gbit --rounds 3 --reps 3}"
 mkdir -p "$out"
 cd "$out"
 if [[ $parts == *" bench "* ]]; then
