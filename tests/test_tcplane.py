@@ -19,6 +19,7 @@ import errno
 import socket
 import struct
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -120,6 +121,39 @@ def test_a_consumer_of_another_wire_version_is_told_so() -> None:
     finally:
         sock.close()
         producer.close()
+
+
+_CLOSE_TWICE = """
+import socket, threading
+import numpy as np
+import kvbridge._core as core
+
+buf = np.zeros(1 << 16, dtype=np.uint8)
+for _ in range(300):
+    server = core.TcpServer("127.0.0.1", 0, [(buf.ctypes.data, buf.nbytes)], b"s" * 32)
+    conn = socket.create_connection(("127.0.0.1", server.port))  # a serving thread waits for its hello
+    together, got = threading.Barrier(2), []
+
+    def close():
+        together.wait()
+        got.append(server.close(5.0))
+
+    threads = [threading.Thread(target=close) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    conn.close()
+    assert got == [True, True], got
+print("ok")
+"""
+
+
+def test_two_threads_closing_one_server_at_once_free_it_once() -> None:
+    """close() from two threads at once, a connection open: both wait for the server's threads, both say they
+    ended, and only the last frees the server (freed twice, the process aborts: so the loop runs in a child)."""
+    done = subprocess.run([sys.executable, "-c", _CLOSE_TWICE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
 def _served_sndbufs(port: int) -> list[int]:

@@ -60,7 +60,7 @@ typedef struct server {
     pthread_mutex_t lock;
     pthread_cond_t gone;
     int threads; /* alive: the accept thread and each connection's */
-    int stopping;
+    int stopping, closers; /* closers: close() calls waiting on the threads; the last one out frees it all */
     int conns[SERVE_MAX_CONNS]; /* open connections' fds (-1: free), shut down by close() */
     uint64_t n_conns, n_requests, n_bytes, n_refused;
 } server;
@@ -259,11 +259,17 @@ static void server_free(server *s) {
 
 /* Stop accepting, shut every connection down (its thread sees the hang-up at its next wait), and wait up
  * to timeout_s for every thread to end: they read the KV, which the caller frees after this.  Returns
- * whether they all ended (if not, the server's memory is kept for them). */
+ * whether they all ended (if not, the server's memory is kept for them).  Two threads may close at once:
+ * each waits, and only the last of them frees the server, once no thread of it is left.  Who is last is
+ * counted while holding the GIL, as o->s is read: a close() that saw the server is counted before any
+ * other can decide to free it. */
 static int server_stop(TcpServerObject *o, double timeout_s) {
     server *s = o->s;
     if (!s) return 1;
     int all;
+    pthread_mutex_lock(&s->lock);
+    s->closers++;
+    pthread_mutex_unlock(&s->lock);
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&s->lock);
     if (!s->stopping) {
@@ -284,8 +290,11 @@ static int server_stop(TcpServerObject *o, double timeout_s) {
     all = s->threads == 0;
     pthread_mutex_unlock(&s->lock);
     Py_END_ALLOW_THREADS
-    if (all) server_free(s);
-    o->s = NULL;
+    pthread_mutex_lock(&s->lock);
+    int last = --s->closers == 0;
+    pthread_mutex_unlock(&s->lock);
+    o->s = NULL; /* no new close() starts on it; one still waiting holds its own pointer */
+    if (all && last) server_free(s);
     return all;
 }
 
