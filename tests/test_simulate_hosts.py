@@ -40,7 +40,7 @@ def _rec(cap: str, tokens: int, row: str, samples: list[float], note: str = "") 
     rec: dict = {"cap": cap, "tokens": tokens, "bytes": nbytes, "row": row, "note": note}
     if samples:
         gbps = nbytes / statistics.median(samples) / 1e9
-        rec.update(gbps=gbps, low=gbps, high=gbps, samples=list(samples), rounds=1)
+        rec.update(gbps=gbps, low=gbps, high=gbps, samples=list(samples), rounds=1, round_gbps=[gbps])
     return rec
 
 
