@@ -24,6 +24,12 @@ def test_rows_across_hosts_measure_checked_bytes() -> None:
     assert [r["row"] for r in records] == rows
     for rec in records:
         assert rec["note"] == "" and rec["gbps"] > 0 and len(rec["samples"]) == 1, rec
+        if rec["row"].startswith("kvbridge"):  # its one load split in three: the parts add up to its time
+            parts = rec["parts_ms"]
+            assert list(parts) == ["start", "read", "report"] and min(parts.values()) > 0, parts
+            assert sum(parts.values()) == pytest.approx(rec["samples"][0] * 1e3), parts
+        else:
+            assert "parts_ms" not in rec
     assert "kvbridge" in bench_hosts.table(records)
 
 

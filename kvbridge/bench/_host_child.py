@@ -57,8 +57,9 @@ def kvb_consumer(point_json: str, reps: int, progress_mode: str, digest: str, la
         _say({"offer": rid})
         return list(json.loads(sys.stdin.readline())["params"])
 
-    timing = consume(point, reps, offer, digest, progress_mode, lane)
-    _say({"samples": list(timing.samples)})
+    parts: dict[str, list[float]] = {}
+    timing = consume(point, reps, offer, digest, progress_mode, lane, parts)
+    _say({"samples": list(timing.samples), "parts": parts})
 
 
 def tcp_send(nbytes: int, streams: int) -> None:

@@ -44,7 +44,10 @@ network namespace, loopback only, each pod its own pid, uts, IPC and mount names
 
 Every timed transfer starts with the CPU caches cold (:mod:`kvbridge.bench.cold`; on one node both ends
 share the last-level cache). Rows rotate between rounds (the machine's load drifts); each row reports the
-median of all its samples and the range of its per-round medians. A child that says nothing for
+median of all its samples and the range of its per-round medians. A ``kvbridge`` row's round also splits its
+loads in three, medians in the log and in the record (``parts_ms``): ``start`` (the engine's ``start_step``,
+which starts the read), ``read`` (until the engine's wait returns) and ``report`` (the poll that reports
+it): what an engine adds to the medium's own time. A child that says nothing for
 ``--child-timeout`` seconds (a hang) is killed and its row reported failed, with the reason and the tail of
 its stderr. UCX settings come from the environment (``UCX_TCP_TX_SEG_SIZE``,
 ``UCX_TCP_RX_SEG_SIZE`` ...), which every child inherits; the report names the ``UCX_`` variables set.
@@ -92,7 +95,7 @@ class _Proc(JsonChild):
 
 
 def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "thread", lane: str = "auto",
-              timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
+              timeout_s: float = CHILD_TIMEOUT_S, parts: dict[str, list[float]] | None = None) -> list[float]:
     from kvbridge.bench.ucx_baselines import _point_json
 
     with tempfile.TemporaryDirectory(prefix="kvbridge-hosts-bench-") as registry:
@@ -106,6 +109,9 @@ def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "t
             while True:
                 msg = consumer.line("consumer")
                 if "samples" in msg:
+                    if parts is not None:
+                        for name, seconds in msg.get("parts", {}).items():
+                            parts.setdefault(name, []).extend(float(v) for v in seconds)
                     return [float(v) for v in msg["samples"]]
                 producer.say({"op": "offer", "rid": msg["offer"]})
                 consumer.say(producer.line("producer"))
@@ -160,11 +166,13 @@ def _scattered(point: Point) -> list[str]:
     return [f"{k}={v}" for k, v in env.items()]
 
 
-def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: float = CHILD_TIMEOUT_S) -> list[float]:
+def measure_row(row: str, a: Host, b: Host, point: Point, reps: int, timeout_s: float = CHILD_TIMEOUT_S,
+                parts: dict[str, list[float]] | None = None) -> list[float]:
     """``reps`` timed transfers of ``point``'s bytes by ``row``, from host ``a`` to host ``b`` (seconds);
-    :class:`Hung` when one of its children stays silent for ``timeout_s``."""
+    :class:`Hung` when one of its children stays silent for ``timeout_s``. ``parts``: a ``kvbridge`` row's
+    loads split in three (:func:`kvbridge.bench.ucx_baselines.consume`), seconds appended per name."""
     if row.startswith("kvbridge"):
-        return _kvbridge(a, b, point, reps, lane=row.partition("-")[2] or "auto", timeout_s=timeout_s)
+        return _kvbridge(a, b, point, reps, lane=row.partition("-")[2] or "auto", timeout_s=timeout_s, parts=parts)
     if row.startswith("tcp:"):
         return _tcp(a, b, point.nbytes, int(row.split(":")[1]), reps, timeout_s)
     kind, _, n = row.removesuffix(SCAT).partition(":")
@@ -191,20 +199,25 @@ def run(tokens: Sequence[int], caps: Sequence[str], rows: Sequence[str], reps: i
             for t in tokens:
                 point = Point(SHAPES[shape], t)
                 per_round: dict[str, list[list[float]]] = {r: [] for r in rows}
+                parts: dict[str, dict[str, list[float]]] = {r: {} for r in rows}
                 notes: dict[str, str] = {}
                 for k in range(rounds):
                     for row in [*rows[k % len(rows):], *rows[: k % len(rows)]]:
                         if row in notes:
                             continue
+                        mine: dict[str, list[float]] = {}
                         try:
-                            per_round[row].append(measure_row(row, a, b, point, reps, child_timeout_s))
+                            per_round[row].append(measure_row(row, a, b, point, reps, child_timeout_s, mine))
                         except Unavailable as exc:
                             notes[row] = f"{'failed' if isinstance(exc, Hung) else 'not measured'}: {exc}"
+                        for name, seconds in mine.items():
+                            parts[row].setdefault(name, []).extend(seconds)
                         if log:
                             print(f"  cap {cap} {t} tokens round {k + 1} {row}: "
-                                  f"{notes.get(row) or _gbps(point.nbytes, per_round[row][-1])}", file=log, flush=True)
+                                  f"{notes.get(row) or _gbps(point.nbytes, per_round[row][-1])}{_parts(mine)}",
+                                  file=log, flush=True)
                 for row in rows:
-                    out.append(_summary(cap, point, row, per_round[row], notes.get(row, "")))
+                    out.append(_summary(cap, point, row, per_round[row], notes.get(row, ""), parts[row]))
     return out
 
 
@@ -212,8 +225,17 @@ def _gbps(nbytes: int, samples: Sequence[float]) -> str:
     return f"{nbytes / statistics.median(samples) / 1e9:.2f} GB/s"
 
 
-def _summary(cap: str, point: Point, row: str, rounds: list[list[float]], note: str) -> dict[str, Any]:
+def _parts(parts: dict[str, list[float]]) -> str:
+    """A kvbridge load's parts, medians in ms (`` (a load: start 0.30 ms, read 6.21 ms, report 0.20 ms)``), or ""."""
+    shown = ", ".join(f"{name} {statistics.median(s) * 1e3:.2f} ms" for name, s in parts.items() if s)
+    return f" (a load: {shown})" if shown else ""
+
+
+def _summary(cap: str, point: Point, row: str, rounds: list[list[float]], note: str,
+             parts: dict[str, list[float]] | None = None) -> dict[str, Any]:
     rec: dict[str, Any] = {"cap": cap, "tokens": point.tokens, "bytes": point.nbytes, "row": row, "note": note}
+    if parts:  # a kvbridge row: its loads' parts, medians over every round
+        rec["parts_ms"] = {name: statistics.median(s) * 1e3 for name, s in parts.items() if s}
     if rounds:
         every = [s for r in rounds for s in r]
         medians = [point.nbytes / statistics.median(r) / 1e9 for r in rounds]

@@ -145,11 +145,17 @@ def two_processes(point: Point, reps: int, progress_mode: str = "thread") -> Tim
             _stop(proc)
 
 
+PARTS = ("start", "read", "report")
+
+
 def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: str, progress_mode: str = "thread",
-            lane: str = "auto") -> Timing:
+            lane: str = "auto", parts: dict[str, list[float]] | None = None) -> Timing:
     """The consumer's half of :func:`two_processes`: ``offer(rid)`` has the producer hand off its requests
     again (their transfer params); a warm-up and ``reps`` timed pulls, each into a cleared KV and checked
-    against ``digest``; ``lane``: the consumer's (the producer offers every lane it can)."""
+    against ``digest``; ``lane``: the consumer's (the producer offers every lane it can). ``parts``: each
+    timed pull's seconds appended under :data:`PARTS`: ``start`` (``start_step``, which starts the read
+    natively where it can), ``read`` (until the engine's idle wait returns for the last time) and
+    ``report`` (the polls after it): what an engine adds to the medium's own time."""
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="kvbridge-ucx-bench-c-") as registry:
         consumer = _engine(point, "consumer", 2, registry, progress_mode, lane)
@@ -169,9 +175,11 @@ def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: 
                 evict()
                 t0 = time.perf_counter()
                 consumer.worker.start_step(plan)
+                t1 = time.perf_counter()
                 consumer.worker.finish_step()
                 while waiting:
                     consumer.worker.wait_idle(1.0)  # blocks, as an engine's idle step does: no polling thread beside the read
+                    t2 = time.perf_counter()
                     report = consumer.worker.poll()
                     failed |= report.failed_blocks
                     waiting -= report.finished_loading
@@ -186,6 +194,9 @@ def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: 
                     consumer.scheduler.on_finished(req, ids)
                 if i:
                     samples.append(dt)
+                    if parts is not None:
+                        for name, seconds in zip(PARTS, (t1 - t0, t2 - t1, t0 + dt - t2)):
+                            parts.setdefault(name, []).append(seconds)
             return Timing(tuple(samples))
         finally:
             torch.set_num_threads(threads)
