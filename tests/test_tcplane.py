@@ -30,6 +30,7 @@ from kvbridge import native
 if native.load_core()[0] is None or not hasattr(native.load_core()[0], "TcpServer"):
     pytest.skip(f"kvbridge._core with the tcp lane: {native.load_core()[1]}", allow_module_level=True)
 
+import tcpkit  # noqa: E402 - tests/helpers, on sys.path by conftest
 from tcp_peer import pattern  # noqa: E402 - tests/helpers, on sys.path by conftest
 from tcpkit import BLOCK, TIMEOUT_S, Peer, pair, read_all  # noqa: E402 - tests/helpers, on sys.path by conftest
 from throttle import Throttle  # noqa: E402 - tests/helpers, on sys.path by conftest
@@ -69,10 +70,10 @@ def test_reads_whose_parts_do_not_end_on_64_bytes_are_bit_exact(local: bool) -> 
         producer.close()
 
 
-def _hello(port: int, secret: bytes, version: int = 2) -> tuple[socket.socket, int]:
+def _hello(port: int, secret: bytes, version: int = tcpkit.WIRE_VERSION) -> tuple[socket.socket, int]:
     """A consumer's TCP hello by hand (tcp.h): the connected socket and the server's status."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(struct.pack("<II", 0x5442564B, version) + secret)
+    sock.sendall(tcpkit.hello(secret, version))
     return sock, struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))[0]
 
 
@@ -85,19 +86,16 @@ def test_the_wire_keeps_every_replys_data_on_64_byte_boundaries() -> None:
     sock, status = _hello(info["port"], bytes.fromhex(info["secret"]))
     try:
         assert status == 0 and producer.ask(op="seal", slot=3, word=0xABCD)["ok"]
-        stream = 0
         for length in (BLOCK, 104, 8, 1000, 56, 64):  # every padding from 0 to 56 bytes
             offset = 64 + 8 * length  # a word of the pattern: word i is i * PATTERN_K
-            sock.sendall(struct.pack("<IIQQQ", 0x5242564B, 1, info["seals"] + 24, info["address"] + offset, length))
-            head = sock.recv(64, socket.MSG_WAITALL)
-            assert struct.unpack("<IIQ", head[:16]) == (0, 0, length) and head[16:] == bytes(48)
+            sock.sendall(tcpkit.request(info["seals"] + 24, [(info["address"] + offset, length)]))
+            head = sock.recv(tcpkit.REPLY.size, socket.MSG_WAITALL)
+            assert tcpkit.REPLY.unpack(head) == (0, 0, length) and head[16:] == bytes(48)
             data = sock.recv(length, socket.MSG_WAITALL)
             assert data == pattern(offset // 8, -(-length // 8)).tobytes()[:length]
-            pad = -(length + 8) % 64
+            pad = -(length + 8) % 64  # header + data + word + pad: a multiple of 64, so the next data is aligned
             tail = sock.recv(8 + pad, socket.MSG_WAITALL)
             assert struct.unpack("<Q", tail[:8])[0] == 0xABCD and tail[8:] == bytes(pad)
-            stream += 64 + length + 8 + pad
-            assert stream % 64 == 0
         sock.setblocking(False)
         with pytest.raises(BlockingIOError):
             sock.recv(1)  # the reply ended where its padding said

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tcpkit
 from kvbridge.connectors.ucx import tcplane
 from tcpkit import BLOCK, TIMEOUT_S, Peer, pair, read_all
 
@@ -112,7 +113,7 @@ def _hello(name: str, secret: bytes) -> tuple[socket.socket, int]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect("\0" + name)
-    sock.sendall(struct.pack("<II", 0x5442564B, 2) + secret)
+    sock.sendall(tcpkit.hello(secret))
     msg, fds, _, _ = socket.recv_fds(sock, 4, 1)
     assert struct.unpack("<I", msg)[0] == 0 and len(fds) == 1
     return sock, fds[0]
@@ -126,10 +127,8 @@ def test_a_consumer_that_drops_its_pipe_costs_the_producer_a_thread_not_its_proc
     sock, pipe = _hello(info["name"], bytes.fromhex(info["secret"]))
     try:
         blocks = 256  # 16 MiB: the server fills the pipe and waits for room
-        request = struct.pack("<IIQ", 0x5242564B, blocks, 0)
-        request += b"".join(struct.pack("<QQ", info["address"] + k * BLOCK, BLOCK) for k in range(blocks))
-        sock.sendall(request)
-        assert struct.unpack("<IIQ48x", sock.recv(64, socket.MSG_WAITALL)) == (0, 0, blocks * BLOCK)
+        sock.sendall(tcpkit.request(0, [(info["address"] + k * BLOCK, BLOCK) for k in range(blocks)]))
+        assert tcpkit.REPLY.unpack(sock.recv(tcpkit.REPLY.size, socket.MSG_WAITALL)) == (0, 0, blocks * BLOCK)
         assert select.select([pipe], [], [], 10)[0] and len(os.read(pipe, 1 << 16)) > 0  # data is flowing
         time.sleep(0.2)  # the pipe is full again: the server waits on it
         t0 = time.monotonic()

@@ -184,7 +184,8 @@ def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: 
                     failed |= report.failed_blocks
                     waiting -= report.finished_loading
                     consumer.scheduler.on_report(report)
-                dt = time.perf_counter() - t0
+                t3 = time.perf_counter()
+                dt = t3 - t0
                 if failed:
                     raise Unavailable(f"{len(failed)} blocks failed to load")
                 got = b"".join(consumer.read(ids[:full]).numpy().tobytes() for ids in runs)
@@ -195,7 +196,7 @@ def consume(point: Point, reps: int, offer: Callable[[str], list[Any]], digest: 
                 if i:
                     samples.append(dt)
                     if parts is not None:
-                        for name, seconds in zip(PARTS, (t1 - t0, t2 - t1, t0 + dt - t2)):
+                        for name, seconds in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2)):
                             parts.setdefault(name, []).append(seconds)
             return Timing(tuple(samples))
         finally:

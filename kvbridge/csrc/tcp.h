@@ -90,6 +90,12 @@ typedef struct {
     uint8_t pad[TCP_ALIGN - 8];
 } tcp_trailer;
 
+/* Where part k of n of a read of `total` bytes ends: on a TCP_ALIGN boundary, so that each part's data stays
+ * aligned as the pieces are (the last part ends at total). */
+static inline uint64_t tcp_part_end(uint64_t total, uint64_t k, uint64_t n) {
+    return k + 1 == n ? total : total * (k + 1) / n / TCP_ALIGN * TCP_ALIGN;
+}
+
 /* How many bytes of a tcp_trailer follow `total` bytes of data (header + data + trailer: a multiple of 64). */
 static inline size_t tcp_trailer_bytes(uint64_t total) {
     return sizeof(uint64_t) + (size_t)((TCP_ALIGN - (total + sizeof(uint64_t)) % TCP_ALIGN) % TCP_ALIGN);

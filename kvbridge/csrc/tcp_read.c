@@ -432,12 +432,12 @@ static int plan(TcpReadObject *r, int streams) {
         }
         total += n;
     }
-    r->starts[m] = total, r->m = m;
+    r->starts[m] = total;
+    r->m = m;
     uint64_t most = total / READ_STREAM_MIN_BYTES;
     r->nstreams = most < 1 ? 1 : most < (uint64_t)streams ? (int)most : streams;
-    uint64_t n = (uint64_t)r->nstreams; /* parts cut on TCP_ALIGN: their data stays aligned as the pieces are (tcp.h) */
-    for (uint64_t k = 0; k < n; k++)
-        r->st[k] = (stream){.r = r, .lo = k ? r->st[k - 1].hi : 0, .hi = k + 1 == n ? total : total * (k + 1) / n / TCP_ALIGN * TCP_ALIGN, .fd = -1, .pipe = -1};
+    for (uint64_t k = 0, parts = (uint64_t)r->nstreams; k < parts; k++)
+        r->st[k] = (stream){.r = r, .lo = k ? r->st[k - 1].hi : 0, .hi = tcp_part_end(total, k, parts), .fd = -1, .pipe = -1};
     return 0;
 }
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import queue
 import secrets
+import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,20 @@ from kvbridge.testing.hosts import Host
 PEER = Path(__file__).parent / "tcp_peer.py"
 BLOCK = 64 << 10
 TIMEOUT_S = 2.0
+
+# kvbridge/csrc/tcp.h's wire, for the tests that speak it by hand: a change there is made here once
+WIRE_VERSION = 2
+REPLY = struct.Struct("<IIQ48x")  # a reply's header: status, 0, total, then zeros to 64 bytes
+
+
+def hello(secret: bytes, version: int = WIRE_VERSION) -> bytes:
+    """A consumer's hello: magic "KVBT", the wire version, the producer's secret."""
+    return struct.pack("<II", 0x5442564B, version) + secret
+
+
+def request(seal_address: int, descs: Sequence[tuple[int, int]]) -> bytes:
+    """A request: magic "KVBR", how many descriptors, the seal word's address, then each (address, length)."""
+    return struct.pack("<IIQ", 0x5242564B, len(descs), seal_address) + b"".join(struct.pack("<QQ", *d) for d in descs)
 
 
 class Peer:
