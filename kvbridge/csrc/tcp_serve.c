@@ -177,12 +177,9 @@ static void *conn_main(void *arg) {
         uint32_t status = h.magic != TCP_MAGIC_HELLO || !tcp_secret_equal(h.secret, s->secret) ? TCP_BAD_SECRET
                           : h.version != TCP_VERSION                                          ? TCP_BAD_VERSION
                                                                                               : TCP_OK;
-        int ok = status == TCP_OK;
+        if (status != TCP_OK) count(s, &s->n_refused, 1); /* before the answer: who saw the refusal sees it counted */
         err = c.local ? tcp_pipe_offer(c.fd, status, &pipe_w, until) : tcp_send_all(c.fd, &status, sizeof(status), until);
-        if (!ok) {
-            count(s, &s->n_refused, 1);
-            err = -1;
-        }
+        if (status != TCP_OK) err = -1;
     }
     while (!err) {
         tcp_request q;
