@@ -154,6 +154,35 @@ def test_two_threads_closing_one_server_at_once_free_it_once() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
 
 
+_CLOSE_LATE = """
+import os, socket
+import numpy as np
+import kvbridge._core as core
+
+def serving():  # this process's threads of a TcpServer (tcp_serve.c names them)
+    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    return sorted(n for n in names if n in ("kvbridge-accept", "kvbridge-serve"))
+
+buf = np.zeros(1 << 16, dtype=np.uint8)
+for _ in range(50):
+    server = core.TcpServer("127.0.0.1", 0, [(buf.ctypes.data, buf.nbytes)], b"s" * 32)
+    conn = socket.create_connection(("127.0.0.1", server.port))  # a serving thread waits for its hello
+    assert server.close(0.0) is False  # no time to wait: its threads were still there
+    assert server.close(5.0) is True  # so this close waits for them, rather than answering at once
+    assert serving() == [], serving()
+    conn.close()
+print("ok")
+"""
+
+
+def test_a_close_that_timed_out_leaves_the_wait_to_the_next_close() -> None:
+    """A close() whose threads outlive its timeout says so (False) and keeps the server; the next close()
+    waits for them, and its True means no thread of the server reads the KV any more (in a child: the
+    server's threads are counted by name in /proc)."""
+    done = subprocess.run([sys.executable, "-c", _CLOSE_LATE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
 def _served_sndbufs(port: int) -> list[int]:
     """The send buffers (``ss``'s skmem ``tb``: the kernel's doubled SO_SNDBUF) of the connections served from
     ``port`` on this host."""

@@ -256,7 +256,8 @@ static void server_free(server *s) {
 
 /* Stop accepting, shut every connection down (its thread sees the hang-up at its next wait), and wait up
  * to timeout_s for every thread to end: they read the KV, which the caller frees after this.  Returns
- * whether they all ended (if not, the server's memory is kept for them).  Two threads may close at once:
+ * whether they all ended (if not, the server's memory is kept for them, and the next close() waits for them
+ * again rather than answering at once that they ended).  Two threads may close at once:
  * each waits, and only the last of them frees the server, once no thread of it is left.  Who is last is
  * counted while holding the GIL, as o->s is read: a close() that saw the server is counted before any
  * other can decide to free it. */
@@ -284,15 +285,15 @@ static int server_stop(TcpServerObject *o, double timeout_s) {
         if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
         pthread_cond_timedwait(&s->gone, &s->lock, &ts);
     }
-    all = s->threads == 0;
     pthread_mutex_unlock(&s->lock);
     Py_END_ALLOW_THREADS
     pthread_mutex_lock(&s->lock);
+    all = s->threads == 0; /* now, not when this one stopped waiting: a sibling may have seen them end since */
     int last = --s->closers == 0;
     pthread_mutex_unlock(&s->lock);
-    o->s = NULL; /* no new close() starts on it; one still waiting holds its own pointer */
+    if (all) o->s = NULL; /* over: a later close() has nothing to wait for; one still waiting frees it */
     if (all && last) server_free(s);
-    return all;
+    return all; /* not over: o->s stays, so the next close() (or the dealloc) waits for them again */
 }
 
 static int server_init(TcpServerObject *o, PyObject *args, PyObject *kw) {
