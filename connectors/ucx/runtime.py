@@ -71,6 +71,12 @@ except ImportError:  # pragma: no cover - exercised only where ucx-py is install
         raise MissingDependency(f"{_HINT} ({exc})") from exc
 
 ucx: ModuleType = _ucx
+# ucxx's progress thread ("thread" mode) waits for the worker's events in epoll with a 1 ms timeout: a process
+# that holds a UCX worker, idle or busy on another lane (tcp, cma), woke ~1000 times a second, on the very
+# cores a load's copies run on. The wait wakes for every event UCX signals, and ucxx signals it for every
+# request queued from another thread, so the timeout only bounds how long an event UCX did not signal
+# waits: it never paces a transfer (tests/test_ucx.py checks an idle runtime sleeps).
+PROGRESS_WAKE_MS = 100
 DEFAULT_TLS = "^cma"  # every transport but cma: see the module docstring
 
 # ---- tags -------------------------------------------------------------------------------------------
@@ -100,6 +106,15 @@ def as_buffer(t: torch.Tensor) -> Any:
     return t if t.is_cuda else t.numpy()
 
 
+def _wake_less(worker: Any) -> None:
+    """Restart ucxx's progress thread so that it sleeps until UCX has work (see :data:`PROGRESS_WAKE_MS`)."""
+    try:
+        worker.stop_progress_thread()
+        worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_WAKE_MS)
+    except (AttributeError, TypeError) as exc:  # another ucxx: its own progress thread, as it was
+        log.info("ucxx progress thread left as ucxx starts it: %s", exc)
+
+
 class Runtime:
     """The UCX worker of this process and the loop thread that drives it; get it with :func:`runtime`."""
 
@@ -124,6 +139,8 @@ class Runtime:
     async def _init(self) -> bytes:
         if BINDING == "ucxx":
             ucx.init(progress_mode=self.progress_mode)
+            if self.progress_mode == "thread":
+                _wake_less(ucx.core._get_ctx().worker)
         else:  # pragma: no cover - ucx-py
             ucx.init(blocking_progress_mode=self.progress_mode == "blocking")
         return bytes(ucx.get_worker_address())
