@@ -42,6 +42,7 @@ from kvbridge.bench.core import SHAPES, Point, Timing
 from kvbridge.bench.pool import request_blocks
 
 BLOCK_BYTES = 32 * 8 * 16 * 2 * 128 * 2  # one block of every layer: 2 MiB
+PUMP_S = 0.1  # the producer child's idle engine pumps this often (see _producer)
 
 
 def _child(*args: str) -> subprocess.Popen[str]:
@@ -113,8 +114,11 @@ def _producer(registry: str, point_json: str, progress_mode: str) -> None:
     print(json.dumps({"sha256": digest}), flush=True)
     tokens = tuple(range(full * point.block_size + 1))
     while True:
-        if not select.select([sys.stdin], [], [], 0.01)[0]:
-            engine.pump()  # takes releases, frees held requests
+        # between commands the engine pumps ten times a second (takes releases, frees held requests): often
+        # enough to free them before the next offer, rarely enough that few land on a timed pull's
+        # cores (an engine steps when it has work; the raw rows' senders only wait)
+        if not select.select([sys.stdin], [], [], PUMP_S)[0]:
+            engine.pump()
             continue
         cmd = json.loads(sys.stdin.readline() or '{"op": "quit"}')
         if cmd["op"] == "quit":
