@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate benches/results/: the current full run of `kvbridge bench` (table, records, plot), the bench
-# across two emulated hosts and between two pods (`kvbridge bench hosts [--pods]`, as root; about 15 minutes) and
+# across two emulated hosts and between two pods (`kvbridge bench hosts [--pods]`, as root; about 25 minutes) and
 # the simulator's answers for them. Run on a quiet machine with kvbridge[main] installed; history lives in git.
 #   RESULTS_DIR=DIR        write there instead of benches/results
 #   RESULTS_PARTS="hosts"  run only some of: bench hosts pods (simulate.txt is remade from the JSON files present)
@@ -10,8 +10,9 @@ set -euo pipefail
 out="${RESULTS_DIR:-$(dirname "$0")/results}"
 parts=" ${RESULTS_PARTS:-bench hosts pods} "
 # 8, 32 and 128 MiB a request (the fit needs several sizes; prompts of the simulated workload are 37 MiB to
-# 2.3 GiB), three caps, rows rotated over three rounds (the per-round ratios need more than two)
-hosts_args="${HOSTS_ARGS:---tokens 1024,256,64 --caps none,25gbit,10gbit --rounds 3 --reps 3}"
+# 2.3 GiB), three caps, rows rotated over four rounds of four pulls (one uncapped pull on a small machine
+# moves anywhere between 0.6 and 1.3 times the round's median: the medians need the samples)
+hosts_args="${HOSTS_ARGS:---tokens 1024,256,64 --caps none,25gbit,10gbit --rounds 4 --reps 4}"
 mkdir -p "$out"
 cd "$out"
 if [[ $parts == *" bench "* ]]; then
@@ -29,7 +30,7 @@ fi
 # (plain TCP, and pipes handed over a Unix socket: the tcp lane's local medium)
 if [[ $parts == *" pods "* && $(id -u) == 0 ]]; then
   kvbridge bench hosts --pods --json pods.json --tokens 1024,256 --rows kvbridge,kvbridge-ucp,tcp:4,ctcp:1,ctcp:4,ctcp-sndbuf:4,pipe:4,pipe:4/scat,cma \
-    --reps 3 --rounds 3 | tee pods.txt
+    --reps 4 --rounds 4 | tee pods.txt
 fi
 # kvbridge's lane against plain TCP, NIXL and Mooncake: those of them the hosts run measured
 hosts_rows=kvbridge,tcp:4,ctcp:4,ctcp-sndbuf:4,nixl,mooncake  # ctcp*: plain TCP in C, where the bench has it
