@@ -108,11 +108,15 @@ def as_buffer(t: torch.Tensor) -> Any:
 
 def _wake_less(worker: Any) -> None:
     """Restart ucxx's progress thread so that it sleeps until UCX has work (see :data:`PROGRESS_WAKE_MS`)."""
+    if not hasattr(worker, "stop_progress_thread"):  # another ucxx: its progress thread as it starts it
+        log.info("ucxx progress thread left as ucxx starts it: no stop_progress_thread")
+        return
+    worker.stop_progress_thread()
     try:
-        worker.stop_progress_thread()
         worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_WAKE_MS)
-    except (AttributeError, TypeError) as exc:  # another ucxx: its own progress thread, as it was
-        log.info("ucxx progress thread left as ucxx starts it: %s", exc)
+    except TypeError as exc:  # a ucxx without the timeout argument: never a worker left without progress
+        log.info("ucxx progress thread restarted with ucxx's own timeout: %s", exc)
+        worker.start_progress_thread(polling_mode=False)
 
 
 class Runtime:
