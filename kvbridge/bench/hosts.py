@@ -110,8 +110,7 @@ def _kvbridge(a: Host, b: Host, point: Point, reps: int, progress_mode: str = "t
                 msg = consumer.line("consumer")
                 if "samples" in msg:
                     if parts is not None:
-                        for name, seconds in msg.get("parts", {}).items():
-                            parts.setdefault(name, []).extend(float(v) for v in seconds)
+                        _add_parts(parts, msg.get("parts", {}))
                     return [float(v) for v in msg["samples"]]
                 producer.say({"op": "offer", "rid": msg["offer"]})
                 consumer.say(producer.line("producer"))
@@ -210,11 +209,10 @@ def run(tokens: Sequence[int], caps: Sequence[str], rows: Sequence[str], reps: i
                             per_round[row].append(measure_row(row, a, b, point, reps, child_timeout_s, mine))
                         except Unavailable as exc:
                             notes[row] = f"{'failed' if isinstance(exc, Hung) else 'not measured'}: {exc}"
-                        for name, seconds in mine.items():
-                            parts[row].setdefault(name, []).extend(seconds)
+                        _add_parts(parts[row], mine)
                         if log:
                             print(f"  cap {cap} {t} tokens round {k + 1} {row}: "
-                                  f"{notes.get(row) or _gbps(point.nbytes, per_round[row][-1])}{_parts(mine)}",
+                                  f"{notes.get(row) or _gbps(point.nbytes, per_round[row][-1])}{_parts_line(mine)}",
                                   file=log, flush=True)
                 for row in rows:
                     out.append(_summary(cap, point, row, per_round[row], notes.get(row, ""), parts[row]))
@@ -225,9 +223,20 @@ def _gbps(nbytes: int, samples: Sequence[float]) -> str:
     return f"{nbytes / statistics.median(samples) / 1e9:.2f} GB/s"
 
 
-def _parts(parts: dict[str, list[float]]) -> str:
-    """A kvbridge load's parts, medians in ms (`` (a load: start 0.30 ms, read 6.21 ms, report 0.20 ms)``), or ""."""
-    shown = ", ".join(f"{name} {statistics.median(s) * 1e3:.2f} ms" for name, s in parts.items() if s)
+def _add_parts(into: dict[str, list[float]], parts: dict[str, Any]) -> None:
+    """Append ``parts``' seconds (a kvbridge row's loads, by part) to ``into``'s."""
+    for name, seconds in parts.items():
+        into.setdefault(name, []).extend(float(v) for v in seconds)
+
+
+def _median_ms(parts: dict[str, list[float]]) -> dict[str, float]:
+    """Each part's median, in ms (parts with no sample left out)."""
+    return {name: statistics.median(s) * 1e3 for name, s in parts.items() if s}
+
+
+def _parts_line(parts: dict[str, list[float]]) -> str:
+    """A kvbridge load's parts for the log (`` (a load: start 0.30 ms, read 6.21 ms, report 0.20 ms)``), or ""."""
+    shown = ", ".join(f"{name} {ms:.2f} ms" for name, ms in _median_ms(parts).items())
     return f" (a load: {shown})" if shown else ""
 
 
@@ -235,7 +244,7 @@ def _summary(cap: str, point: Point, row: str, rounds: list[list[float]], note: 
              parts: dict[str, list[float]] | None = None) -> dict[str, Any]:
     rec: dict[str, Any] = {"cap": cap, "tokens": point.tokens, "bytes": point.nbytes, "row": row, "note": note}
     if parts:  # a kvbridge row: its loads' parts, medians over every round
-        rec["parts_ms"] = {name: statistics.median(s) * 1e3 for name, s in parts.items() if s}
+        rec["parts_ms"] = _median_ms(parts)
     if rounds:
         every = [s for r in rounds for s in r]
         medians = [point.nbytes / statistics.median(r) / 1e9 for r in rounds]
